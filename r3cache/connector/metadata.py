@@ -1,0 +1,64 @@
+"""The messages between scheduler, model runner and worker connector."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Union
+
+import numpy as np
+
+BlockHash = Union[bytes, str, int]
+
+
+def block_key(block_hash: BlockHash) -> str:
+    """The store key of a KV block hash: lowercase hex of its digest."""
+    if isinstance(block_hash, (bytes, bytearray)):
+        return block_hash.hex()
+    if isinstance(block_hash, int):
+        return format(block_hash & ((1 << 128) - 1), "032x")
+    return str(block_hash)
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """One scheduler step's request registrations, new block hashes and finished requests.
+
+    ``requests`` maps a request that (re)starts on the worker to its emit start:
+    the first token position whose routed experts it is still owed.
+    ``block_hashes`` holds only hashes not sent before, in block order.
+    """
+
+    generation: int = 0
+    requests: Mapping[str, int] = field(default_factory=dict)
+    block_hashes: Mapping[str, Sequence[BlockHash]] = field(default_factory=dict)
+    finished_requests: Collection[str] = ()
+
+    def is_empty(self) -> bool:
+        return not (self.requests or self.block_hashes or self.finished_requests)
+
+
+@dataclass
+class StepBatch:
+    """The model runner's view of one executed step, in batch order.
+
+    Request ``i`` ran ``query_start_loc[i + 1] - query_start_loc[i]`` tokens starting
+    at position ``num_computed_tokens[i]``; its rows sit at those row offsets of the
+    step's routed-experts array. Rows past ``query_start_loc[len(req_ids)]`` are
+    padding and are ignored.
+    """
+
+    req_ids: Sequence[str]
+    num_computed_tokens: np.ndarray
+    query_start_loc: np.ndarray
+
+
+class RequestOutput(NamedTuple):
+    """Routed experts a request is owed from one step: rows for positions from token_start."""
+
+    token_start: int
+    rows: np.ndarray
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + len(self.rows)

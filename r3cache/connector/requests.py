@@ -1,0 +1,115 @@
+"""RequestTable: per-request worker state as columns indexed by slot, so a step is vectorised."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3cache.errors import MetadataError
+from r3cache.layout import RoutingLayout
+
+NO_CURSOR = -1
+
+
+class RequestTable:
+    """Own every live request's cursors, keys, tail block and unkeyed full blocks.
+
+    A request occupies one slot from registration to teardown. Columns:
+
+    - ``capture``: next position to capture (NO_CURSOR before the first capture);
+    - ``scheduled``: end of the last scheduled range, which may run past
+      ``capture`` when a speculative suffix was rejected;
+    - ``emit``: first position whose rows the request is still owed;
+    - ``owned_from``: first position this incarnation captured itself; rows
+      before it (a prefix hit) only ever come from the store;
+    - ``inflight``: steps prepared and not yet processed that cover the slot;
+    - ``finished``: teardown requested, deferred while ``inflight`` > 0;
+    - ``nkeys``: ``len(keys[slot])``, the full blocks whose hashes arrived.
+
+    ``tail[slot]`` holds the rows of the block containing ``capture``.
+    """
+
+    def __init__(self, layout: RoutingLayout, capacity: int) -> None:
+        self.layout = layout
+        self.slot_of: dict[str, int] = {}
+        self.req_id: list[str | None] = []
+        self.keys: list[list[str]] = []
+        # Full blocks whose hash has not arrived: slot -> {block index: rows}.
+        self.unkeyed: dict[int, dict[int, np.ndarray]] = {}
+        self._free: list[int] = []
+        self.capture = np.empty(0, np.int64)
+        self.scheduled = np.empty(0, np.int64)
+        self.emit = np.empty(0, np.int64)
+        self.owned_from = np.empty(0, np.int64)
+        self.inflight = np.empty(0, np.int64)
+        self.finished = np.empty(0, bool)
+        self.nkeys = np.empty(0, np.int64)
+        self.tail = np.empty((0, *layout.block_shape), layout.dtype)
+        self._grow(max(1, capacity))
+
+    def __len__(self) -> int:
+        return len(self.req_id) - len(self._free)
+
+    def add(self, req_id: str, emit_start: int) -> int:
+        if not self._free:
+            self._grow(2 * len(self.req_id))
+        slot = self._free.pop()
+        self.slot_of[req_id] = slot
+        self.req_id[slot] = req_id
+        self.keys[slot] = []
+        self.capture[slot] = NO_CURSOR
+        self.scheduled[slot] = 0
+        self.emit[slot] = emit_start
+        self.owned_from[slot] = 0
+        self.inflight[slot] = 0
+        self.finished[slot] = False
+        self.nkeys[slot] = 0
+        return slot
+
+    def lookup(self, req_id: str) -> int:
+        try:
+            return self.slot_of[req_id]
+        except KeyError:
+            raise MetadataError(
+                f"request {req_id!r} is not registered with the worker connector"
+            ) from None
+
+    def slots(self, req_ids: list[str]) -> np.ndarray:
+        slot_of = self.slot_of
+        try:
+            return np.fromiter((slot_of[r] for r in req_ids), np.int64, len(req_ids))
+        except KeyError as exc:
+            raise MetadataError(
+                f"request {exc.args[0]!r} is not registered with the worker connector"
+            ) from None
+
+    def detach(self, slot: int) -> None:
+        """Unname a slot whose request re-registers while its teardown is deferred."""
+        name = self.req_id[slot]
+        if name is not None and self.slot_of.get(name) == slot:
+            del self.slot_of[name]
+
+    def free(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.detach(slot)
+            self.req_id[slot] = None
+            self.keys[slot] = []
+            self.unkeyed.pop(slot, None)
+            self._free.append(slot)
+
+    def live_slots(self) -> list[int]:
+        return [s for s, name in enumerate(self.req_id) if name is not None]
+
+    def clear(self) -> None:
+        self.free(self.live_slots())
+
+    def _grow(self, capacity: int) -> None:
+        old = len(self.req_id)
+        extra = capacity - old
+        self.req_id.extend([None] * extra)
+        self.keys.extend([] for _ in range(extra))
+        for name in ("capture", "scheduled", "emit", "owned_from", "inflight", "finished", "nkeys"):
+            column = getattr(self, name)
+            setattr(self, name, np.concatenate((column, np.zeros(extra, column.dtype))))
+        self.tail = np.concatenate((self.tail, np.zeros((extra, *self.layout.block_shape), self.layout.dtype)))
+        # Pop low slots first, so a small batch touches a compact part of the columns.
+        self._free.extend(range(capacity - 1, old - 1, -1))

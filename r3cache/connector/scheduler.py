@@ -1,0 +1,124 @@
+"""SchedulerConnector: builds each step's StepMetadata on the scheduler side."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from r3cache.connector.metadata import BlockHash, RequestOutput, StepMetadata
+from r3cache.errors import MetadataError
+
+
+@dataclass
+class _SchedulerRequest:
+    emit_start: int  # where the request's owed rows resume on (re)registration
+    hashes: list[BlockHash]
+    hashes_sent: int = 0
+    registered: bool = False  # known to the worker; False while preempted
+
+
+class SchedulerConnector:
+    """Own what the worker has been told: registrations, hashes sent, generation."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._requests: dict[str, _SchedulerRequest] = {}
+        self._to_register: dict[str, None] = {}
+        # Requests with hashes to send; finished ones stay until their hashes went out.
+        self._hash_updates: dict[str, _SchedulerRequest] = {}
+        self._finished: list[str] = []
+
+    def add_request(
+        self, req_id: str, *, prompt_start: int = 0, block_hashes: Sequence[BlockHash] = ()
+    ) -> None:
+        """A new request: it is owed rows from ``prompt_start`` on."""
+        if req_id in self._requests:
+            raise MetadataError(f"request {req_id!r} was already added")
+        if prompt_start < 0:
+            raise MetadataError(f"request {req_id!r}: prompt_start must be >= 0")
+        self._requests[req_id] = _SchedulerRequest(prompt_start, list(block_hashes))
+        self._register(req_id)
+
+    def update_block_hashes(self, req_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """The request's full list of block hashes so far; only the new suffix is sent."""
+        state = self._state(req_id)
+        if len(block_hashes) < len(state.hashes):
+            raise MetadataError(f"request {req_id!r}: block hashes cannot shrink")
+        if len(block_hashes) > len(state.hashes):
+            state.hashes.extend(block_hashes[len(state.hashes) :])
+            if state.registered:
+                self._hash_updates[req_id] = state
+
+    def record_output(self, req_id: str, output: RequestOutput) -> None:
+        """Note rows delivered, so a preempted request resumes after them."""
+        state = self._state(req_id)
+        state.emit_start = max(state.emit_start, output.token_end)
+
+    def preempt_request(self, req_id: str) -> None:
+        """The worker drops the request's state and pins; ``resume_request`` restarts it."""
+        state = self._state(req_id)
+        if state.registered:
+            self._unregister(req_id, state)
+
+    def resume_request(self, req_id: str) -> None:
+        if req_id in self._finished:
+            # The worker must see the teardown before the new registration.
+            raise MetadataError(
+                f"request {req_id!r} was preempted in this step; resume it in a later one"
+            )
+        if not self._state(req_id).registered:
+            self._register(req_id)
+
+    def finish_request(self, req_id: str) -> None:
+        state = self._requests.pop(req_id, None)
+        if state is None:
+            raise MetadataError(f"request {req_id!r} is not known to the scheduler connector")
+        if state.registered:
+            self._unregister(req_id, state)
+
+    def reset_prefix_cache(self) -> None:
+        """Start a new generation: the worker releases everything; live requests re-register."""
+        self.generation += 1
+        self._finished.clear()
+        self._hash_updates.clear()
+        for req_id, state in self._requests.items():
+            if state.registered:
+                state.registered = False
+                self._register(req_id)
+
+    def build_step_metadata(self) -> StepMetadata:
+        """Everything the worker has not been told yet; call once per scheduler step."""
+        requests = {rid: self._requests[rid].emit_start for rid in self._to_register}
+        hashes = {}
+        for rid, state in self._hash_updates.items():
+            hashes[rid] = state.hashes[state.hashes_sent :]
+            state.hashes_sent = len(state.hashes)
+        metadata = StepMetadata(self.generation, requests, hashes, tuple(self._finished))
+        self._to_register.clear()
+        self._hash_updates.clear()
+        self._finished.clear()
+        return metadata
+
+    def _register(self, req_id: str) -> None:
+        state = self._requests[req_id]
+        state.registered = True
+        state.hashes_sent = 0
+        self._to_register[req_id] = None
+        if state.hashes:
+            self._hash_updates[req_id] = state
+
+    def _unregister(self, req_id: str, state: _SchedulerRequest) -> None:
+        state.registered = False
+        if self._to_register.pop(req_id, 0) is None:
+            # Never reached the worker: nothing to tear down there.
+            self._hash_updates.pop(req_id, None)
+            return
+        # Unsent hashes still go out with the teardown: the KV prefix cache keeps
+        # those blocks, so the worker must publish their rows before releasing them.
+        self._finished.append(req_id)
+
+    def _state(self, req_id: str) -> _SchedulerRequest:
+        try:
+            return self._requests[req_id]
+        except KeyError:
+            raise MetadataError(f"request {req_id!r} is not known to the scheduler connector") from None

@@ -1,0 +1,466 @@
+"""WorkerConnector: turns each step's routed-expert rows into the rows each request is owed."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from r3cache.connector.metadata import RequestOutput, StepBatch, StepMetadata, block_key
+from r3cache.connector.requests import NO_CURSOR, RequestTable
+from r3cache.errors import (
+    BlockNotFoundError,
+    CursorError,
+    GenerationError,
+    InvalidBatchError,
+    LayoutMismatchError,
+    MetadataError,
+)
+from r3cache.layout import RoutingLayout
+from r3cache.store.background import BackgroundBlockStore
+from r3cache.store.base import BlockStore
+
+
+@dataclass
+class WorkerStats:
+    """Counters of what the worker connector did since it started."""
+
+    steps: int = 0
+    rows_captured: int = 0
+    blocks_published: int = 0
+    blocks_read: int = 0  # blocks read back from the store to serve prefix hits
+
+
+class PendingOutput:
+    """Own one step's routed-experts snapshot until its copy is consumed."""
+
+    __slots__ = (
+        "connector", "req_ids", "slots", "token_starts", "query_start_loc",
+        "routed_experts", "num_sampled", "num_rejected",
+    )
+
+    def __init__(self, connector, req_ids, slots, token_starts, query_start_loc, routed_experts):
+        self.connector: WorkerConnector = connector
+        self.req_ids: list[str] = req_ids
+        self.slots: np.ndarray = slots
+        self.token_starts: np.ndarray = token_starts
+        self.query_start_loc: np.ndarray = query_start_loc
+        self.routed_experts: np.ndarray = routed_experts
+        self.num_sampled: np.ndarray | None = None
+        self.num_rejected: np.ndarray | None = None
+
+    def enqueue_cpu_copy(self, num_sampled: Any, num_rejected: Any) -> None:
+        """Hand over the step's sampled and rejected token counts, one per request."""
+        n = len(self.req_ids)
+        self.num_sampled = _counts(num_sampled, n, "num_sampled")
+        self.num_rejected = _counts(num_rejected, n, "num_rejected")
+
+    def process_output(self) -> dict[str, RequestOutput]:
+        return self.connector.process_output(self)
+
+
+def _counts(values: Any, n: int, name: str) -> np.ndarray:
+    array = np.array(values, dtype=np.int64, copy=True).reshape(-1)
+    if len(array) != n:
+        raise InvalidBatchError(f"{name} has {len(array)} entries for {n} requests")
+    return array
+
+
+class WorkerConnector:
+    """Own request cursors, tail rows and block publication on the output worker.
+
+    Invariants, per request slot: rows for positions ``[owned_from, capture)`` were
+    captured by this incarnation and live in exactly one place: the store (a full
+    block whose key arrived), ``unkeyed`` (a full block still waiting for its hash)
+    or ``tail`` (the block containing ``capture``). Rows before ``owned_from`` come
+    only from the store. Every key a request received is pinned until its teardown,
+    which waits for the last in-flight step that covers the request.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: RoutingLayout,
+        store: BlockStore,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_concurrent_batches: int = 1,
+        background: bool = True,
+    ) -> None:
+        if store.layout != layout:
+            raise LayoutMismatchError(
+                f"store layout {store.layout.fingerprint} != connector layout {layout.fingerprint}"
+            )
+        if max_concurrent_batches < 1:
+            raise InvalidBatchError("max_concurrent_batches must be >= 1")
+        self.layout = layout
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_concurrent_batches = max_concurrent_batches
+        if background and not isinstance(store, BackgroundBlockStore):
+            store = BackgroundBlockStore(store, max_pending=2 * max_num_seqs)
+        self.store = store
+        self.stats = WorkerStats()
+        self._table = RequestTable(layout, max_num_seqs)
+        self._generation = 0
+        # Steps prepared and not yet processed, oldest first; the engine consumes
+        # them in order. Guarded by _lock against an output thread.
+        self._inflight: deque[PendingOutput] = deque()
+        self._lock = threading.Lock()
+        self._block_offsets = np.arange(layout.block_size)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the worker still holds state for (deferred teardowns included)."""
+        return len(self._table)
+
+    # -- scheduler metadata -------------------------------------------------------
+
+    def begin_step(self, metadata: StepMetadata) -> None:
+        """Apply one scheduler step's registrations, block hashes and finished requests.
+
+        A finished request that an unconsumed step still covers is torn down by
+        that step's process_output instead.
+        """
+        if metadata.generation < self._generation:
+            raise GenerationError(
+                f"generation moved backwards from {self._generation} to {metadata.generation}"
+            )
+        both = metadata.requests.keys() & set(metadata.finished_requests)
+        if both:
+            raise MetadataError(f"requests cannot run and finish in one step: {sorted(both)}")
+        table = self._table
+        with self._lock:
+            release: list[str] = []
+            if metadata.generation > self._generation:
+                # A prefix-cache reset: only legal once all model output is consumed.
+                if self._inflight:
+                    raise GenerationError(
+                        f"generation changed to {metadata.generation} with "
+                        f"{len(self._inflight)} step(s) in flight"
+                    )
+                for slot in table.live_slots():
+                    release.extend(reversed(table.keys[slot]))
+                table.clear()
+                self._generation = metadata.generation
+            for req_id, emit_start in metadata.requests.items():
+                self._register(req_id, int(emit_start))
+            objects: dict[str, np.ndarray] = {}
+            retain: list[str] = []
+            for req_id, hashes in metadata.block_hashes.items():
+                slot = table.lookup(req_id)
+                keys = [block_key(h) for h in hashes]
+                table.keys[slot].extend(keys)
+                table.nkeys[slot] += len(keys)
+                retain.extend(keys)
+                self._collect_keyed(slot, objects)
+            teardown: list[int] = []
+            for req_id in metadata.finished_requests:
+                slot = table.lookup(req_id)
+                table.finished[slot] = True
+                if not table.inflight[slot]:
+                    teardown.append(slot)
+                    release.extend(reversed(table.keys[slot]))
+            self._put(objects, retain, release)
+            table.free(teardown)
+
+    def _register(self, req_id: str, emit_start: int) -> None:
+        table = self._table
+        slot = table.slot_of.get(req_id)
+        if slot is not None and table.finished[slot]:
+            # Resumed while the old incarnation's teardown waits on an in-flight step.
+            table.detach(slot)
+            slot = None
+        if slot is None:
+            table.add(req_id, emit_start)
+        elif not table.inflight[slot] and emit_start > table.emit[slot]:
+            # In-flight steps leave the worker behind the scheduler; check settled ones only.
+            raise CursorError(
+                f"request {req_id!r}: scheduler emit start {emit_start} is ahead of the "
+                f"worker's {int(table.emit[slot])}"
+            )
+
+    def _collect_keyed(self, slot: int, objects: dict[str, np.ndarray]) -> None:
+        """Move full blocks whose hash has now arrived from ``unkeyed`` into ``objects``."""
+        waiting = self._table.unkeyed.get(slot)
+        if not waiting:
+            return
+        keys = self._table.keys[slot]
+        for index in [i for i in waiting if i < len(keys)]:
+            objects[keys[index]] = waiting.pop(index)
+
+    def _put(self, objects, retain=(), release=()) -> None:
+        if objects or retain or release:
+            self.store.put(objects, retain, release)
+            self.stats.blocks_published += len(objects)
+
+    # -- model runner output ------------------------------------------------------
+
+    def prepare_output(
+        self, batch: StepBatch, routed_experts: np.ndarray | None = None
+    ) -> PendingOutput:
+        """Take one executed step's rows; call enqueue_cpu_copy, then process_output."""
+        req_ids = list(batch.req_ids)
+        n = len(req_ids)
+        qsl = np.array(batch.query_start_loc, dtype=np.int64).reshape(-1)
+        starts = np.array(batch.num_computed_tokens, dtype=np.int64).reshape(-1)
+        if len(qsl) < n + 1 or len(starts) < n:
+            raise InvalidBatchError(
+                f"{n} requests need {n + 1} query_start_loc and {n} num_computed_tokens "
+                f"entries, got {len(qsl)} and {len(starts)}"
+            )
+        qsl, starts = qsl[: n + 1], starts[:n]
+        counts = np.diff(qsl)
+        if n and (counts <= 0).any():
+            bad = int(np.argmax(counts <= 0))
+            raise InvalidBatchError(
+                f"request {req_ids[bad]!r} has {int(counts[bad])} rows in the batch; "
+                "query_start_loc must increase (rows must not overlap)"
+            )
+        if n and (qsl[0] < 0 or (starts < 0).any()):
+            raise InvalidBatchError("query_start_loc and num_computed_tokens must be >= 0")
+        if routed_experts is None:
+            raise InvalidBatchError("routed_experts is required: no capturer is bound")
+        self.layout.check_rows(routed_experts, "routed_experts")
+        if n and len(routed_experts) < qsl[-1]:
+            raise InvalidBatchError(
+                f"routed_experts has {len(routed_experts)} rows, the batch covers {int(qsl[-1])}"
+            )
+        with self._lock:
+            if len(self._inflight) >= self.max_concurrent_batches:
+                raise InvalidBatchError(
+                    f"{len(self._inflight)} step(s) already in flight "
+                    f"(max_concurrent_batches={self.max_concurrent_batches}); "
+                    "process outputs in order first"
+                )
+            slots = self._table.slots(req_ids)
+            if len(set(slots.tolist())) != n:
+                raise InvalidBatchError("a request appears twice in one batch")
+            if self._table.finished[slots].any():
+                bad = req_ids[int(np.argmax(self._table.finished[slots]))]
+                raise MetadataError(f"request {bad!r} finished and cannot run again")
+            self._table.inflight[slots] += 1
+            pending = PendingOutput(self, req_ids, slots, starts, qsl, routed_experts)
+            self._inflight.append(pending)
+        return pending
+
+    def process_output(self, pending: PendingOutput) -> dict[str, RequestOutput]:
+        """Commit one consumed step and return each request's newly owed rows.
+
+        Teardown deferred by begin_step completes here once no in-flight step
+        covers the request; its keys are released tail block first.
+        """
+        table = self._table
+        with self._lock:
+            if not self._inflight or self._inflight[0] is not pending:
+                raise InvalidBatchError("step outputs must be processed in the order prepared")
+            if pending.num_sampled is None or pending.num_rejected is None:
+                raise InvalidBatchError("enqueue_cpu_copy was not called for this step")
+            try:
+                outputs = self._commit(pending)
+            finally:
+                self._inflight.popleft()
+                slots = pending.slots
+                table.inflight[slots] -= 1
+                done = slots[(table.inflight[slots] == 0) & table.finished[slots]].tolist()
+                if done:
+                    release = [k for s in done for k in reversed(table.keys[s])]
+                    self._put({}, (), release)
+                    table.free(done)
+        return outputs
+
+    def _commit(self, pending: PendingOutput) -> dict[str, RequestOutput]:
+        table = self._table
+        bs = self.layout.block_size
+        slots = pending.slots
+        qsl = pending.query_start_loc
+        counts = np.diff(qsl)
+        rejected = pending.num_rejected
+        bad = (rejected < 0) | (rejected > counts)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvalidBatchError(
+                f"request {pending.req_ids[i]!r}: {int(rejected[i])} rejected of "
+                f"{int(counts[i])} tokens"
+            )
+        valid = counts - rejected
+        token_starts = pending.token_starts
+        cursor = table.capture[slots]
+        first = cursor == NO_CURSOR
+        cursor = np.where(first, token_starts, cursor)
+        self._check_cursors(pending, cursor, table.scheduled[slots])
+        # Capture precedes speculative acceptance: rows past `valid` are discarded, and
+        # after an optimistic suffix was rejected capture re-attaches at `cursor`.
+        start = cursor
+        end = start + valid
+        table.owned_from[slots[first]] = start[first]
+        table.capture[slots] = end
+        table.scheduled[slots] = token_starts + counts
+        self.stats.steps += 1
+        self.stats.rows_captured += int(valid.sum())
+
+        own = self._capture(slots, start, end, qsl[:-1], pending.routed_experts)
+
+        emit = table.emit[slots]
+        owed = (pending.num_sampled > 0) & (emit <= end)
+        table.emit[slots] = np.where(owed, end, emit)
+        direct = owed & (emit >= start)
+        rows = pending.routed_experts
+        ids = pending.req_ids
+        lo = (qsl[:-1] + emit - start)[direct].tolist()
+        hi = (qsl[:-1] + valid)[direct].tolist()
+        outputs = {
+            ids[i]: RequestOutput(e, rows[a:b])
+            for i, e, a, b in zip(np.flatnonzero(direct).tolist(), emit[direct].tolist(), lo, hi)
+        }
+        later = np.flatnonzero(owed & ~direct)
+        if len(later):
+            self._materialise(pending, later, emit, end, own, outputs)
+        return outputs
+
+    def _check_cursors(self, pending: PendingOutput, cursor, scheduled) -> None:
+        starts = pending.token_starts
+        backwards = starts < cursor
+        if backwards.any():
+            i = int(np.argmax(backwards))
+            raise CursorError(
+                f"request {pending.req_ids[i]!r}: capture moved backwards "
+                f"(step starts at {int(starts[i])}, captured up to {int(cursor[i])})"
+            )
+        gap = (starts > cursor) & (cursor >= scheduled)
+        if gap.any():
+            i = int(np.argmax(gap))
+            raise CursorError(
+                f"request {pending.req_ids[i]!r}: unbacked gap between captured "
+                f"{int(cursor[i])} and step start {int(starts[i])}"
+            )
+
+    def _capture(self, slots, start, end, row0, rows) -> dict[tuple[int, int], np.ndarray]:
+        """Write the step's valid rows into tails; publish or park the blocks they complete.
+
+        Vectorised over all rows of the step: no Python loop per token or request.
+        Returns the blocks completed here, by (slot, block index), for materialisation.
+        """
+        table = self._table
+        bs = self.layout.block_size
+        valid = end - start
+        total = int(valid.sum())
+        if total == 0:
+            return {}
+        req = np.repeat(np.arange(len(slots)), valid)
+        offset = np.arange(total) - np.repeat(np.cumsum(valid) - valid, valid)
+        pos = start[req] + offset
+        src = row0[req] + offset
+        first_block = start // bs
+        end_block = end // bs  # block holding `end`: the tail after this step
+        in_first = (pos // bs) == first_block[req]
+        table.tail[slots[req[in_first]], pos[in_first] % bs] = rows[src[in_first]]
+
+        done_first = np.flatnonzero((valid > 0) & (end_block > first_block))
+        # A first block this incarnation did not capture from its start is a prefix
+        # hit: the store already has it, and its tail rows before owned_from are void.
+        owned = first_block[done_first] * bs >= table.owned_from[slots[done_first]]
+        head = done_first[owned]
+        block_req = [head]
+        block_idx = [first_block[head]]
+        blocks = [table.tail[slots[head]]]
+        middle = np.maximum(end_block - first_block - 1, 0)
+        if middle.any():
+            mid_req = np.repeat(np.arange(len(slots)), middle)
+            mid_idx = first_block[mid_req] + 1 + (
+                np.arange(int(middle.sum())) - np.repeat(np.cumsum(middle) - middle, middle)
+            )
+            first_row = row0[mid_req] + mid_idx * bs - start[mid_req]
+            block_req.append(mid_req)
+            block_idx.append(mid_idx)
+            blocks.append(rows[first_row[:, None] + self._block_offsets])
+        in_last = ~in_first & ((pos // bs) == end_block[req])
+        table.tail[slots[req[in_last]], pos[in_last] % bs] = rows[src[in_last]]
+        return self._publish(
+            slots[np.concatenate(block_req)], np.concatenate(block_idx), np.concatenate(blocks)
+        )
+
+    def _publish(self, block_slots, block_idx, blocks) -> dict[tuple[int, int], np.ndarray]:
+        table = self._table
+        own: dict[tuple[int, int], np.ndarray] = {}
+        objects: dict[str, np.ndarray] = {}
+        keyed = block_idx < table.nkeys[block_slots]
+        for s, j, k, block in zip(block_slots.tolist(), block_idx.tolist(), keyed.tolist(), blocks):
+            own[(s, j)] = block
+            if k:
+                objects[table.keys[s][j]] = block
+            else:
+                table.unkeyed.setdefault(s, {})[j] = block
+        self._put(objects)
+        return own
+
+    def _materialise(self, pending, later, emit, end, own, outputs) -> None:
+        """Serve rows owed before this step's capture start (prefix hits, chunked prefill).
+
+        The whole batch was published first, so a consumer may read a block that a
+        producer completed earlier in the same batch.
+        """
+        table = self._table
+        bs = self.layout.block_size
+        plans = []
+        store_keys: list[str] = []
+        for i in later.tolist():
+            slot = int(pending.slots[i])
+            lo, hi = int(emit[i]), int(end[i])
+            parts = []
+            for j in range(lo // bs, (hi - 1) // bs + 1):
+                a, b = max(lo, j * bs) - j * bs, min(hi, (j + 1) * bs) - j * bs
+                block = own.get((slot, j))
+                if block is None:
+                    block = table.unkeyed.get(slot, {}).get(j)
+                if block is None and j == hi // bs and j * bs + a >= table.owned_from[slot]:
+                    block = table.tail[slot]
+                if block is None:
+                    if j >= table.nkeys[slot]:
+                        raise CursorError(
+                            f"request {pending.req_ids[i]!r}: rows {j * bs + a}..{j * bs + b} "
+                            "are neither captured nor backed by a block hash"
+                        )
+                    block = len(store_keys)
+                    store_keys.append(table.keys[slot][j])
+                parts.append((block, a, b))
+            plans.append((i, lo, parts))
+        stored = self._read_store(store_keys, pending, plans)
+        for i, lo, parts in plans:
+            pieces = [
+                (stored[p * bs : (p + 1) * bs] if isinstance(p, int) else p)[a:b]
+                for p, a, b in parts
+            ]
+            outputs[pending.req_ids[i]] = RequestOutput(lo, np.concatenate(pieces))
+
+    def _read_store(self, keys: list[str], pending, plans) -> np.ndarray:
+        if not keys:
+            return self.layout.empty_rows()
+        try:
+            stored = self.store.get_concatenated(keys)
+        except BlockNotFoundError as exc:
+            raise BlockNotFoundError(
+                exc.keys,
+                namespace=exc.namespace,
+                request_ids=[pending.req_ids[i] for i, _, _ in plans],
+                cause="a prefix-cache hit on a block the store no longer holds "
+                "(evicted after its last release, or never published)",
+            ) from exc
+        self.stats.blocks_read += len(keys)
+        return stored
+
+    # -- shutdown -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release every pin this worker holds, drain the writer and close the store."""
+        with self._lock:
+            table = self._table
+            release = [k for s in table.live_slots() for k in reversed(table.keys[s])]
+            table.clear()
+            self._inflight.clear()
+            try:
+                self._put({}, (), release)
+            finally:
+                self.store.close()

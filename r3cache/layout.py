@@ -1,0 +1,93 @@
+"""RoutingLayout: the shape and dtype of one token's routed experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from r3cache.errors import LayoutError, LayoutMismatchError
+
+_FINGERPRINT_VERSION = "r3l1"
+
+
+def narrowest_dtype(num_experts: int) -> np.dtype:
+    """The narrowest storage dtype that holds expert IDs ``0 .. num_experts - 1``."""
+    if num_experts <= 1 << 8:
+        return np.dtype(np.uint8)
+    if num_experts <= 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+@dataclass(frozen=True)
+class RoutingLayout:
+    """Own the per-token row shape ``(num_layers, topk)``, expert range and block size."""
+
+    num_layers: int
+    topk: int
+    num_experts: int
+    block_size: int = 16
+    dtype: np.dtype = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "topk", "num_experts", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise LayoutError(f"{name} must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise LayoutError(f"{name} must be positive, got {value}")
+            object.__setattr__(self, name, int(value))
+        if self.topk > self.num_experts:
+            raise LayoutError(
+                f"topk ({self.topk}) cannot exceed num_experts ({self.num_experts})"
+            )
+        object.__setattr__(self, "dtype", narrowest_dtype(self.num_experts))
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        return (self.num_layers, self.topk)
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.num_layers * self.topk * self.dtype.itemsize
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_layers, self.topk)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.block_size * self.row_nbytes
+
+    @property
+    def fingerprint(self) -> str:
+        """A stable string naming everything a stored block's bytes depend on."""
+        return (
+            f"{_FINGERPRINT_VERSION}:L{self.num_layers}:K{self.topk}:E{self.num_experts}"
+            f":B{self.block_size}:{self.dtype.str}"
+        )
+
+    @classmethod
+    def from_fingerprint(cls, fingerprint: str) -> RoutingLayout:
+        try:
+            version, layers, topk, experts, block, _dtype = fingerprint.split(":")
+            if version != _FINGERPRINT_VERSION:
+                raise ValueError(version)
+            return cls(int(layers[1:]), int(topk[1:]), int(experts[1:]), int(block[1:]))
+        except (ValueError, IndexError) as exc:
+            raise LayoutMismatchError(f"not a layout fingerprint: {fingerprint!r}") from exc
+
+    def empty_rows(self, num_tokens: int = 0) -> np.ndarray:
+        return np.empty((num_tokens, *self.row_shape), dtype=self.dtype)
+
+    def check_rows(self, rows: np.ndarray, what: str = "rows") -> None:
+        """Raise LayoutMismatchError unless ``rows`` is ``(n, num_layers, topk)`` in our dtype."""
+        if not isinstance(rows, np.ndarray):
+            raise LayoutMismatchError(f"{what} must be a numpy array, got {type(rows).__name__}")
+        if rows.ndim != 3 or rows.shape[1:] != self.row_shape:
+            raise LayoutMismatchError(
+                f"{what} have shape {rows.shape}, expected (n, {self.num_layers}, {self.topk})"
+            )
+        if rows.dtype != self.dtype:
+            raise LayoutMismatchError(f"{what} have dtype {rows.dtype}, expected {self.dtype}")

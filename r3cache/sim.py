@@ -1,0 +1,473 @@
+"""A small continuous-batching engine that drives the connectors the way vLLM does.
+
+It owns a KV prefix cache (hash chain over token IDs, a bounded block pool with LRU
+reuse), chunked prefill under a token budget, speculative decoding with random
+rejections, async scheduling (up to ``async_depth`` steps in flight), preemption
+under KV pressure, prefix-cache resets, and an oracle: a deterministic,
+prefix-dependent routing function standing in for the model. After a run it checks
+that every finished request received exactly the oracle's rows for
+``[prompt_start, num_tokens - 1)`` and that neither worker state nor pins remain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from r3cache.connector.metadata import RequestOutput, StepBatch
+from r3cache.connector.scheduler import SchedulerConnector
+from r3cache.connector.worker import WorkerConnector
+from r3cache.errors import R3Error
+from r3cache.hashing import block_hashes
+from r3cache.layout import RoutingLayout
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_BASE = 0x100000001B3  # odd, so invertible modulo 2**64
+
+
+class SimError(R3Error):
+    """The simulated engine cannot make progress with its configuration."""
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def _powers(base: int, n: int) -> np.ndarray:
+    return np.cumprod(np.concatenate(([1], np.full(max(n - 1, 0), base, np.uint64))).astype(np.uint64))[:n]
+
+
+def oracle_rows(token_ids, layout: RoutingLayout) -> np.ndarray:
+    """Routed experts for every position: row ``p`` depends on exactly ``tokens[:p + 1]``.
+
+    A polynomial prefix hash (vectorised with the modular inverse of its base)
+    is mixed per layer into a rotation of a fixed expert permutation, so the
+    ``topk`` IDs of a row are distinct and in a definite column order.
+    """
+    tokens = np.asarray(token_ids, dtype=np.uint64) + np.uint64(1)
+    n = len(tokens)
+    if n == 0:
+        return layout.empty_rows()
+    inverse = pow(_BASE, -1, 1 << 64)
+    prefix = np.cumsum(tokens * _powers(inverse, n), dtype=np.uint64) * _powers(_BASE, n)
+    layer_salt = _mix(np.arange(1, layout.num_layers + 1, dtype=np.uint64))
+    h = _mix(prefix[:, None] ^ layer_salt[None, :])
+    rotation = (h % np.uint64(layout.num_experts)).astype(np.int64)
+    perms = np.random.default_rng(layout.num_experts).permuted(
+        np.tile(np.arange(layout.num_experts), (layout.num_layers, 1)), axis=1
+    )
+    columns = (rotation[:, :, None] + np.arange(layout.topk)) % layout.num_experts
+    return perms[np.arange(layout.num_layers)[None, :, None], columns].astype(layout.dtype)
+
+
+@dataclass
+class SimRequest:
+    """One request of a workload: its prompt, its predetermined output and when it arrives.
+
+    The last output token ends the request (EOS); ``max_tokens`` only bounds
+    what the scheduler may schedule optimistically.
+    """
+
+    req_id: str
+    prompt: list[int]
+    output: list[int]
+    prompt_start: int = 0
+    arrival_step: int = 0
+    max_tokens: int | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass
+class SimConfig:
+    """The engine's knobs; defaults are a small GPU's worth of a vLLM deployment."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    num_kv_blocks: int = 512
+    num_spec_tokens: int = 0
+    reject_prob: float = 0.3
+    async_depth: int = 2
+    prefix_caching: bool = True
+    reset_prefix_cache_when_idle: bool = False
+    max_steps: int = 200_000
+    seed: int = 0
+
+
+@dataclass
+class SimReport:
+    """What a run did and whether every request got exactly its oracle rows."""
+
+    requests: int = 0
+    tokens: int = 0
+    rows_verified: int = 0
+    steps: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    resets: int = 0
+    rejected_tokens: int = 0
+    blocks_published: int = 0
+    blocks_read: int = 0
+    step_seconds: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class _Req:
+    """Own one request's scheduler view, runner truth and received outputs."""
+
+    def __init__(self, spec: SimRequest, layout: RoutingLayout) -> None:
+        self.spec = spec
+        self.id = spec.req_id
+        self.tokens = spec.tokens
+        self.total = len(self.tokens)  # T: the final token count, last one never computed
+        self.limit = len(spec.prompt) + (spec.max_tokens or len(spec.output))
+        self.hashes = block_hashes(self.tokens, layout.block_size)
+        self.known = len(spec.prompt)  # tokens the scheduler has confirmed
+        self.computed = 0  # scheduler's optimistic computed count
+        self.prefill_target = self.known
+        self.true_computed = 0  # the runner's truth
+        self.kv_blocks: list[int] = []
+        self.inflight = 0
+        self.started = False
+        self.finished = False
+        self.preempted_step = -1
+        self.outputs: list[RequestOutput] = []
+
+
+@dataclass
+class _Truth:
+    """What the runner really did in one step, per request in batch order."""
+
+    sampled: np.ndarray
+    rejected: np.ndarray
+    end: np.ndarray  # true computed count after the step
+
+
+class KVCache:
+    """Own the block pool: ref counts, hash -> cached block, LRU order of free blocks."""
+
+    def __init__(self, num_blocks: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.refs = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        hit = []
+        if self.enabled:
+            for h in hashes:
+                block = self.cached.get(h)
+                if block is None:
+                    break
+                hit.append(block)
+        return hit
+
+    def take(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+            self.free.pop(b, None)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            old = self.block_hash[b]
+            if old is not None and self.cached.get(old) == b:
+                del self.cached[old]
+            self.block_hash[b] = None
+            self.refs[b] = 1
+            out.append(b)
+        return out
+
+    def cache(self, block: int, h: bytes) -> None:
+        if self.enabled and self.block_hash[block] is None and h not in self.cached:
+            self.block_hash[block] = h
+            self.cached[h] = block
+
+    def release(self, blocks: list[int]) -> None:
+        # Tail blocks first, as vLLM frees them, so a request's head stays cached longest.
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free[b] = None
+
+    def reset(self) -> None:
+        self.cached.clear()
+        self.block_hash = [None] * len(self.block_hash)
+
+
+class Engine:
+    """Own the scheduling loop that drives SchedulerConnector and WorkerConnector."""
+
+    def __init__(self, layout: RoutingLayout, worker: WorkerConnector, config: SimConfig) -> None:
+        if worker.max_concurrent_batches < config.async_depth:
+            raise SimError("the worker's max_concurrent_batches is below async_depth")
+        self.layout = layout
+        self.worker = worker
+        self.config = config
+        self.scheduler = SchedulerConnector()
+        self.kv = KVCache(config.num_kv_blocks, config.prefix_caching)
+        self.rng = np.random.default_rng(config.seed)
+        self.report = SimReport()
+        self._oracle: dict[str, np.ndarray] = {}
+
+    def run(self, workload: list[SimRequest]) -> SimReport:
+        bs = self.layout.block_size
+        arrivals = deque(sorted((_Req(s, self.layout) for s in workload),
+                                key=lambda r: r.spec.arrival_step))
+        for r in arrivals:
+            if -(-r.total // bs) + 1 > self.config.num_kv_blocks:
+                raise SimError(f"request {r.id} needs more KV blocks than the pool holds")
+            self._oracle[r.id] = oracle_rows(r.tokens, self.layout)
+        everyone = list(arrivals)
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []
+        inflight: deque = deque()
+        step = 0
+        sent_generation = 0
+        while arrivals or self.waiting or self.running or inflight:
+            if step >= self.config.max_steps:
+                raise SimError(f"no progress after {step} steps")
+            while arrivals and arrivals[0].spec.arrival_step <= step:
+                self.waiting.append(arrivals.popleft())
+            plan = self._schedule(step)
+            metadata = self.scheduler.build_step_metadata()
+            began = time.perf_counter()
+            if plan or not metadata.is_empty() or metadata.generation != sent_generation:
+                self.worker.begin_step(metadata)
+                sent_generation = metadata.generation
+            if plan:
+                batch, rows, truth = self._execute(plan)
+                pending = self.worker.prepare_output(batch, routed_experts=rows)
+                pending.enqueue_cpu_copy(truth.sampled, truth.rejected)
+                inflight.append((pending, plan, truth))
+            spent = time.perf_counter() - began
+            if inflight and (len(inflight) >= self.config.async_depth or not plan):
+                pending, done_plan, truth = inflight.popleft()
+                began = time.perf_counter()
+                outputs = pending.process_output()
+                spent += time.perf_counter() - began
+                self._update(done_plan, truth, outputs)
+            if plan:
+                self.report.step_seconds.append(spent)
+            if (self.config.reset_prefix_cache_when_idle and not self.running
+                    and not inflight and self.kv.cached):
+                self.kv.reset()
+                self.scheduler.reset_prefix_cache()
+                self.report.resets += 1
+            step += 1
+        # The last finishes reach the worker with one more (empty) scheduler step.
+        self.worker.begin_step(self.scheduler.build_step_metadata())
+        self.report.steps = step
+        self.report.blocks_published = self.worker.stats.blocks_published
+        self.report.blocks_read = self.worker.stats.blocks_read
+        self._verify(everyone)
+        return self.report
+
+    # -- scheduling -----------------------------------------------------------------
+
+    def _schedule(self, step: int) -> list[tuple[_Req, int, int, bool]]:
+        """Pick (request, token_start, num_tokens, is_prefill) under the token budget."""
+        budget = self.config.max_num_batched_tokens
+        plan = []
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted by an earlier request this step
+                continue
+            prefill = req.computed < req.prefill_target
+            if prefill:
+                q = min(req.prefill_target - req.computed, budget)
+            else:
+                q = min(1 + self.config.num_spec_tokens, req.limit - 1 - req.computed, budget)
+            if q <= 0:
+                continue
+            if not self._grow(req, q, step):
+                break
+            plan.append((req, req.computed, q, prefill))
+            self._advance(req, q, prefill)
+            budget -= q
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            if req.inflight or req.preempted_step == step:
+                break
+            q = self._admit(req, budget)
+            if q is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            plan.append((req, req.computed, q, True))
+            self._advance(req, q, True)
+            budget -= q
+        return plan
+
+    def _admit(self, req: _Req, budget: int) -> int | None:
+        bs = self.layout.block_size
+        req.prefill_target = req.known
+        hit = self.kv.lookup(req.hashes[: req.known // bs])
+        hit_tokens = min(len(hit) * bs, req.known - 1)  # the last known token is recomputed
+        q = min(req.prefill_target - hit_tokens, budget)
+        need = -(-(hit_tokens + q) // bs) - len(hit)
+        if need > len(self.kv.free) - sum(1 for b in hit if b in self.kv.free):
+            return None
+        self.kv.take(hit)
+        req.kv_blocks = hit + (self.kv.allocate(need) or [])
+        req.computed = req.true_computed = hit_tokens
+        self.report.prefix_hit_tokens += hit_tokens
+        if req.started:
+            self.scheduler.resume_request(req.id)
+        else:
+            req.started = True
+            self.scheduler.add_request(req.id, prompt_start=req.spec.prompt_start)
+        self.scheduler.update_block_hashes(req.id, req.hashes[: req.known // bs])
+        return q
+
+    def _grow(self, req: _Req, q: int, step: int) -> bool:
+        """Allocate KV blocks for ``q`` more tokens, preempting from the back if needed."""
+        need = -(-(req.computed + q) // self.layout.block_size) - len(req.kv_blocks)
+        while need > 0:
+            blocks = self.kv.allocate(need)
+            if blocks is not None:
+                req.kv_blocks.extend(blocks)
+                return True
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: _Req, step: int) -> None:
+        self.running.remove(req)
+        self.kv.release(req.kv_blocks)
+        req.kv_blocks = []
+        req.preempted_step = step
+        self.scheduler.preempt_request(req.id)
+        self.waiting.appendleft(req)
+        self.report.preemptions += 1
+
+    def _advance(self, req: _Req, q: int, prefill: bool) -> None:
+        req.computed += q
+        req.inflight += 1
+        if prefill:
+            # Prompt tokens are known, so their full blocks are cached when scheduled
+            # (as vLLM does): a request scheduled later in this batch may hit them.
+            bs = self.layout.block_size
+            for j in range(min(req.computed, req.known) // bs):
+                if j < len(req.kv_blocks):
+                    self.kv.cache(req.kv_blocks[j], req.hashes[j])
+
+    # -- the model ------------------------------------------------------------------
+
+    def _execute(self, plan) -> tuple[StepBatch, np.ndarray, _Truth]:
+        n = len(plan)
+        counts = np.array([q for _, _, q, _ in plan], dtype=np.int64)
+        qsl = np.concatenate(([0], np.cumsum(counts)))
+        padding = int(self.rng.integers(0, 4))
+        rows = self.rng.integers(0, self.layout.num_experts, (int(qsl[-1]) + padding,
+                                 *self.layout.row_shape)).astype(self.layout.dtype)
+        truth = _Truth(*(np.zeros(n, np.int64) for _ in range(3)))
+        for i, (req, _, q, prefill) in enumerate(plan):
+            c = req.true_computed
+            if prefill:
+                valid = q
+                truth.sampled[i] = 1 if c + q == req.prefill_target else 0
+            elif c >= req.total - 1:
+                valid = q  # finished already (EOS not yet seen by the scheduler): dropped
+                truth.sampled[i] = q
+            else:
+                accepted = 0
+                while accepted < q - 1 and self.rng.random() >= self.config.reject_prob:
+                    accepted += 1
+                valid = min(1 + accepted, req.total - 1 - c)
+                truth.sampled[i] = valid
+            truth.end[i] = c + valid
+            truth.rejected[i] = q - valid
+            real = max(0, min(valid, req.total - c))
+            rows[qsl[i] : qsl[i] + real] = self._oracle[req.id][c : c + real]
+            req.true_computed = c + valid
+        batch = StepBatch([r.id for r, _, _, _ in plan],
+                          np.array([s for _, s, _, _ in plan], dtype=np.int64), qsl)
+        return batch, rows, truth
+
+    # -- results --------------------------------------------------------------------
+
+    def _update(self, plan, truth: _Truth, outputs: dict[str, RequestOutput]) -> None:
+        bs = self.layout.block_size
+        for i, (req, _, _, _) in enumerate(plan):
+            req.inflight -= 1
+            if req.finished:
+                continue  # a step scheduled before the request's end was seen
+            out = outputs.get(req.id)
+            if out is not None:
+                req.outputs.append(out)
+                self.scheduler.record_output(req.id, out)
+            req.computed -= int(truth.rejected[i])
+            self.report.rejected_tokens += int(truth.rejected[i])
+            end = int(truth.end[i])
+            if truth.sampled[i]:
+                req.known = max(req.known, min(end + 1, req.total))
+            self.scheduler.update_block_hashes(req.id, req.hashes[: req.known // bs])
+            if req in self.running:
+                # Decoded blocks are cached once their tokens are confirmed and computed.
+                for j in range(min(req.known, end) // bs):
+                    if j < len(req.kv_blocks):
+                        self.kv.cache(req.kv_blocks[j], req.hashes[j])
+            if req.known >= req.total:
+                self._finish(req)
+
+    def _finish(self, req: _Req) -> None:
+        req.finished = True
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req.kv_blocks)
+        req.kv_blocks = []
+        self.scheduler.finish_request(req.id)
+
+    def _verify(self, everyone: list[_Req]) -> None:
+        report = self.report
+        for req in everyone:
+            report.requests += 1
+            report.tokens += req.total
+            expected = self._oracle[req.id][req.spec.prompt_start : req.total - 1]
+            position = req.spec.prompt_start
+            for out in req.outputs:
+                if out.token_start != position:
+                    report.failures.append(
+                        f"{req.id}: output starts at {out.token_start}, expected {position}")
+                    break
+                position = out.token_end
+            else:
+                got = (np.concatenate([o.rows for o in req.outputs]) if req.outputs
+                       else self.layout.empty_rows())
+                if got.shape != expected.shape:
+                    report.failures.append(
+                        f"{req.id}: {len(got)} rows, expected {len(expected)}")
+                elif not np.array_equal(got, expected):
+                    bad = int(np.argmax((got != expected).any(axis=(1, 2))))
+                    report.failures.append(
+                        f"{req.id}: row for position {req.spec.prompt_start + bad} differs")
+                else:
+                    report.rows_verified += len(got)
+        if self.worker.num_requests:
+            report.failures.append(f"worker still holds {self.worker.num_requests} request(s)")
+        stats = self.worker.store.stats()
+        if stats.referenced_keys:
+            report.failures.append(f"store still pins {stats.referenced_keys} key(s)")

@@ -1,0 +1,104 @@
+"""BackgroundBlockStore: a writer thread, so publication never blocks the inference thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+
+from r3cache.errors import StoreClosedError, WriterError
+from r3cache.store.base import BlockStore, StoreStats
+
+DEFAULT_MAX_PENDING = 512
+_STOP = object()
+
+
+class BackgroundBlockStore:
+    """Own the writer thread and bounded queue in front of another BlockStore.
+
+    ``put`` only enqueues (it waits solely when the queue is full). Operations are
+    applied in order, so a read after a ``put`` sees it: reads drain the queue
+    first. The first failure is sticky: every later call raises WriterError whose
+    ``__cause__`` is the original error, and nothing after it is applied.
+    """
+
+    def __init__(self, inner: BlockStore, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+        self.inner = inner
+        self.layout = inner.layout
+        self.namespace = inner.namespace
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"r3cache-writer-{inner.namespace}", daemon=True
+        )
+        self._thread.start()
+
+    def put(
+        self,
+        objects: Mapping[str, np.ndarray],
+        retain_keys: Collection[str] = (),
+        release_keys: Sequence[str] = (),
+    ) -> None:
+        self._check()
+        if objects or retain_keys or release_keys:
+            self._queue.put((objects, retain_keys, release_keys))
+
+    def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
+        self.flush()
+        return self.inner.get_concatenated(keys)
+
+    def flush(self) -> None:
+        self._check()
+        self._queue.join()
+        self._check()
+
+    def stats(self) -> StoreStats:
+        self.flush()
+        return self.inner.stats()
+
+    @property
+    def pending(self) -> int:
+        """Operations queued and not yet applied."""
+        return self._queue.unfinished_tasks
+
+    def close(self) -> None:
+        """Drain the queue, stop the writer and close the inner store."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        try:
+            self.inner.close()
+        finally:
+            self._raise_error()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                if self._error is None:
+                    self.inner.put(*item)
+            except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.namespace!r} is closed")
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise WriterError(
+                f"background writer for namespace {self.namespace!r} failed: {self._error}"
+            ) from self._error
+
+    def __repr__(self) -> str:
+        return f"BackgroundBlockStore({self.inner!r})"

@@ -1,0 +1,59 @@
+"""The BlockStore protocol every backend implements, and the stats it reports."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from r3cache.layout import RoutingLayout
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A point-in-time account of one store."""
+
+    blocks: int  # blocks stored now
+    pinned_blocks: int  # stored blocks with at least one reference
+    referenced_keys: int  # keys with at least one reference, stored or not yet
+    bytes_used: int  # bytes the stored blocks occupy in the backend
+    raw_bytes_used: int  # the same blocks as uncompressed rows
+    blocks_written: int  # blocks newly stored since open
+    duplicate_puts: int  # puts of a key already stored with the same rows
+    conflicts: int  # puts of a key already stored with different rows
+    evictions: int  # unreferenced blocks dropped to make room
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """Own immutable blocks of routed-expert rows under string keys, with per-key pins.
+
+    ``put`` applies, in this order and atomically per call: ``retain_keys`` (pin,
+    even before a key is written), ``objects`` (first writer wins), then
+    ``release_keys`` (unpin; a key whose last pin goes becomes evictable, in the
+    order given).
+    """
+
+    layout: RoutingLayout
+    namespace: str
+
+    def put(
+        self,
+        objects: Mapping[str, np.ndarray],
+        retain_keys: Collection[str] = (),
+        release_keys: Sequence[str] = (),
+    ) -> None: ...
+
+    def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
+        """Rows of ``keys`` in order, shape ``(len(keys) * block_size, L, K)``."""
+        ...
+
+    def flush(self) -> None:
+        """Return once every earlier ``put`` is applied (or raise its error)."""
+        ...
+
+    def stats(self) -> StoreStats: ...
+
+    def close(self) -> None: ...

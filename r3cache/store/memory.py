@@ -1,0 +1,154 @@
+"""MemoryBlockStore: the bounded in-process store, vLLM's shared-memory semantics."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+
+from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreClosedError, StoreFullError
+from r3cache.layout import RoutingLayout
+from r3cache.store.base import StoreStats
+
+DEFAULT_MAX_BYTES = 1 << 30
+
+
+class MemoryBlockStore:
+    """Own blocks in process memory, bounded by bytes, evicting only unpinned blocks (LRU)."""
+
+    def __init__(
+        self, layout: RoutingLayout, namespace: str = "default", max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
+        if max_bytes < layout.block_nbytes:
+            raise StoreFullError(
+                f"max_bytes={max_bytes} cannot hold one block of {layout.block_nbytes} bytes"
+            )
+        self.layout = layout
+        self.namespace = namespace
+        self.max_bytes = int(max_bytes)
+        self._blocks: dict[str, np.ndarray] = {}
+        self._refs: dict[str, int] = {}
+        # Stored blocks with no reference, oldest release first: the eviction order.
+        self._idle: OrderedDict[str, None] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._written = self._duplicates = self._conflicts = self._evictions = 0
+
+    def put(
+        self,
+        objects: Mapping[str, np.ndarray],
+        retain_keys: Collection[str] = (),
+        release_keys: Sequence[str] = (),
+    ) -> None:
+        for key, rows in objects.items():
+            if rows.shape != self.layout.block_shape or rows.dtype != self.layout.dtype:
+                raise LayoutMismatchError(
+                    f"block {key!r} has shape {rows.shape} {rows.dtype}, expected "
+                    f"{self.layout.block_shape} {self.layout.dtype}"
+                )
+        with self._lock:
+            self._check_open()
+            new = {k: v for k, v in objects.items() if k not in self._blocks}
+            self._reserve(sum(v.nbytes for v in new.values()), retain_keys)
+            for key in retain_keys:
+                self._refs[key] = self._refs.get(key, 0) + 1
+                self._idle.pop(key, None)
+            for key, rows in objects.items():
+                if key in new:
+                    self._insert(key, rows)
+                elif np.array_equal(self._blocks[key], rows):
+                    self._duplicates += 1
+                else:
+                    # Immutable: the first writer wins; the caller reads its own rows.
+                    self._conflicts += 1
+            for key in release_keys:
+                self._release(key)
+
+    def _reserve(self, nbytes: int, retain_keys: Collection[str]) -> None:
+        """Evict idle blocks until ``nbytes`` fit, or raise before changing anything."""
+        if self._used + nbytes <= self.max_bytes:
+            return
+        retained = set(retain_keys)
+        evictable = sum(self._blocks[k].nbytes for k in self._idle if k not in retained)
+        if self._used - evictable + nbytes > self.max_bytes:
+            raise StoreFullError(
+                f"namespace {self.namespace!r}: {nbytes} new bytes do not fit in "
+                f"{self.max_bytes} with {self._used - evictable} bytes pinned; nothing was written"
+            )
+        for key in list(self._idle):
+            if self._used + nbytes <= self.max_bytes:
+                break
+            if key not in retained:
+                del self._idle[key]
+                self._used -= self._blocks.pop(key).nbytes
+                self._evictions += 1
+
+    def _insert(self, key: str, rows: np.ndarray) -> None:
+        # Own the bytes: a view would keep the caller's whole batch array alive.
+        block = rows.copy() if rows.base is not None else rows
+        self._blocks[key] = block
+        self._used += block.nbytes
+        self._written += 1
+        if not self._refs.get(key):
+            self._idle[key] = None
+
+    def _release(self, key: str) -> None:
+        count = self._refs.get(key, 0)
+        if count > 1:
+            self._refs[key] = count - 1
+            return
+        # Counts never go negative: releasing an unheld key changes nothing.
+        self._refs.pop(key, None)
+        if count == 1 and key in self._blocks:
+            self._idle[key] = None
+
+    def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
+        with self._lock:
+            self._check_open()
+            missing = [k for k in keys if k not in self._blocks]
+            if missing:
+                raise BlockNotFoundError(missing, namespace=self.namespace)
+            blocks = [self._blocks[k] for k in keys]
+        if not blocks:
+            return self.layout.empty_rows()
+        return np.concatenate(blocks)
+
+    def refcount(self, key: str) -> int:
+        with self._lock:
+            return self._refs.get(key, 0)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._check_open()
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                blocks=len(self._blocks),
+                pinned_blocks=len(self._blocks) - len(self._idle),
+                referenced_keys=len(self._refs),
+                bytes_used=self._used,
+                raw_bytes_used=self._used,
+                blocks_written=self._written,
+                duplicate_puts=self._duplicates,
+                conflicts=self._conflicts,
+                evictions=self._evictions,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._blocks.clear()
+            self._refs.clear()
+            self._idle.clear()
+            self._used = 0
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"memory store {self.namespace!r} is closed")
+
+    def __repr__(self) -> str:
+        return f"MemoryBlockStore(namespace={self.namespace!r}, max_bytes={self.max_bytes})"
