@@ -71,7 +71,7 @@ class BlockNotFoundError(StoreError, KeyError):
         self.namespace = namespace
         self.request_ids = tuple(request_ids)
         where = f" in namespace {namespace!r}" if namespace else ""
-        who = f" for request(s) {_preview(self.request_ids)}" if self.request_ids else ""
+        who = f" for request(s) {_preview(map(repr, self.request_ids))}" if self.request_ids else ""
         message = (
             f"{len(self.keys)} block(s) missing{where}{who}: {_preview(self.keys)}"
             f" (likely cause: {cause})"

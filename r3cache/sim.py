@@ -23,6 +23,7 @@ from r3cache.connector.worker import WorkerConnector
 from r3cache.errors import R3Error
 from r3cache.hashing import block_hashes
 from r3cache.layout import RoutingLayout
+from r3cache.store.base import StoreStats
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -118,6 +119,7 @@ class SimReport:
     blocks_published: int = 0
     blocks_read: int = 0
     step_seconds: list[float] = field(default_factory=list)
+    store_stats: StoreStats | None = None
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -471,3 +473,81 @@ class Engine:
         stats = self.worker.store.stats()
         if stats.referenced_keys:
             report.failures.append(f"store still pins {stats.referenced_keys} key(s)")
+
+
+def simulate(
+    workload: list[SimRequest],
+    layout: RoutingLayout,
+    config: SimConfig | None = None,
+    *,
+    store_url: str = "memory://",
+    namespace: str = "sim",
+    **store_options,
+) -> SimReport:
+    """Run ``workload`` through a fresh worker connector over the store at ``store_url``."""
+    from r3cache.store import open_store
+
+    config = config or SimConfig()
+    store = open_store(store_url, layout=layout, namespace=namespace, **store_options)
+    worker = WorkerConnector(
+        layout=layout,
+        store=store,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_concurrent_batches=config.async_depth,
+    )
+    try:
+        report = Engine(layout, worker, config).run(workload)
+        report.store_stats = worker.store.stats()
+        return report
+    finally:
+        worker.close()
+
+
+def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(0, vocab, n).tolist()
+
+
+def grpo_workload(
+    *,
+    num_prompts: int = 16,
+    samples: int = 8,
+    system_len: int = 64,
+    prompt_len: tuple[int, int] = (32, 320),
+    output_len: tuple[int, int] = (16, 384),
+    vocab: int = 151_936,
+    seed: int = 0,
+) -> list[SimRequest]:
+    """GRPO-like rollouts: every prompt sampled ``samples`` times, all under one system prompt."""
+    rng = np.random.default_rng(seed)
+    system = _tokens(rng, system_len, vocab)
+    workload = []
+    for p in range(num_prompts):
+        prompt = system + _tokens(rng, int(rng.integers(*prompt_len)), vocab)
+        for s in range(samples):
+            output = _tokens(rng, int(rng.integers(*output_len)), vocab)
+            workload.append(SimRequest(f"prompt{p}-sample{s}", prompt, output,
+                                       max_tokens=output_len[1]))
+    return workload
+
+
+def random_workload(
+    seed: int, *, num_requests: int = 12, block_size: int = 16, vocab: int = 1000
+) -> list[SimRequest]:
+    """Requests in prefix-sharing families with random lengths, arrivals and prompt starts."""
+    rng = np.random.default_rng(seed)
+    roots = [_tokens(rng, int(rng.integers(1, 6 * block_size)), vocab) for _ in range(3)]
+    workload = []
+    for i in range(num_requests):
+        root = roots[int(rng.integers(len(roots)))]
+        # Cut the shared part at a block boundary half of the time, anywhere otherwise.
+        shared = int(rng.integers(0, len(root) + 1))
+        if rng.random() < 0.5:
+            shared -= shared % block_size
+        prompt = root[:shared] + _tokens(rng, int(rng.integers(0 if shared else 1, 3 * block_size)), vocab)
+        output = _tokens(rng, int(rng.integers(1, 5 * block_size)), vocab)
+        prompt_start = int(rng.choice([0, rng.integers(0, len(prompt) + 1), len(prompt)]))
+        max_tokens = len(output) + int(rng.integers(0, 8))
+        workload.append(SimRequest(f"r{i}", prompt, output, prompt_start,
+                                   arrival_step=int(rng.integers(0, 40)), max_tokens=max_tokens))
+    return workload

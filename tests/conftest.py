@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from r3cache import RoutingLayout, StepBatch, StepMetadata, WorkerConnector
+from r3cache.hashing import block_hashes
+from r3cache.sim import oracle_rows
+from r3cache.store.memory import MemoryBlockStore
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.fixture
+def layout() -> RoutingLayout:
+    return RoutingLayout(num_layers=3, topk=2, num_experts=16, block_size=4)
+
+
+class Harness:
+    """A worker connector over a real MemoryBlockStore, fed with oracle rows per request."""
+
+    def __init__(self, layout: RoutingLayout, *, max_concurrent_batches: int = 1,
+                 max_bytes: int = 1 << 20) -> None:
+        self.layout = layout
+        self.store = MemoryBlockStore(layout, "test", max_bytes)
+        self.worker = WorkerConnector(layout=layout, store=self.store, max_num_seqs=2,
+                                      max_concurrent_batches=max_concurrent_batches)
+        self.tokens: dict[str, list[int]] = {}
+        self.generation = 0
+
+    def add(self, req_id: str, tokens: list[int]) -> None:
+        self.tokens[req_id] = tokens
+
+    def rows(self, req_id: str, start: int, stop: int) -> np.ndarray:
+        return oracle_rows(self.tokens[req_id], self.layout)[start:stop]
+
+    def hashes(self, req_id: str, first: int = 0, last: int | None = None) -> list[bytes]:
+        return block_hashes(self.tokens[req_id], self.layout.block_size)[first:last]
+
+    def keys(self, req_id: str, first: int = 0, last: int | None = None) -> list[str]:
+        return [h.hex() for h in self.hashes(req_id, first, last)]
+
+    def begin(self, requests=None, block_hashes=None, finished=(), generation=None) -> None:
+        if generation is not None:
+            self.generation = generation
+        self.worker.begin_step(StepMetadata(self.generation, requests or {},
+                                            block_hashes or {}, tuple(finished)))
+
+    def prepare(self, entries, padding: int = 0, rows: np.ndarray | None = None):
+        """entries: (req_id, token_start, num_tokens[, first_row_position]) in batch order."""
+        counts = [e[2] for e in entries]
+        qsl = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        if rows is None:
+            parts = [self.rows(e[0], e[3] if len(e) > 3 else e[1],
+                               (e[3] if len(e) > 3 else e[1]) + e[2]) for e in entries]
+            garbage = np.full((padding, *self.layout.row_shape), 15, self.layout.dtype)
+            rows = np.concatenate([*parts, garbage]) if parts or padding else self.layout.empty_rows()
+        batch = StepBatch([e[0] for e in entries], np.array([e[1] for e in entries]), qsl)
+        return self.worker.prepare_output(batch, routed_experts=rows)
+
+    def step(self, entries, sampled, rejected=None, **kwargs):
+        pending = self.prepare(entries, **kwargs)
+        pending.enqueue_cpu_copy(sampled, rejected if rejected is not None else [0] * len(entries))
+        return self.worker.process_output(pending)
+
+    def refcount(self, key: str) -> int:
+        self.worker.store.flush()
+        return self.store.refcount(key)
+
+
+@pytest.fixture
+def harness(layout) -> Harness:
+    h = Harness(layout)
+    yield h
+    h.worker.close()
+
+
+@pytest.fixture
+def async_harness(layout) -> Harness:
+    h = Harness(layout, max_concurrent_batches=2)
+    yield h
+    h.worker.close()

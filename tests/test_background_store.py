@@ -1,0 +1,89 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from r3cache import RoutingLayout
+from r3cache.errors import StoreClosedError, StoreFullError, WriterError
+from r3cache.store.background import BackgroundBlockStore
+from r3cache.store.memory import MemoryBlockStore
+
+LAYOUT = RoutingLayout(num_layers=2, topk=2, num_experts=8, block_size=4)
+
+
+def blk(value):
+    return np.full(LAYOUT.block_shape, value, LAYOUT.dtype)
+
+
+class GatedStore(MemoryBlockStore):
+    """A real memory store whose writes wait until the test opens the gate."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def put(self, *args, **kwargs):
+        self.gate.wait(10)
+        super().put(*args, **kwargs)
+
+
+def test_put_returns_before_the_write_and_reads_see_earlier_writes():
+    inner = GatedStore(LAYOUT, "t")
+    store = BackgroundBlockStore(inner, max_pending=8)
+    began = time.perf_counter()
+    store.put({"a": blk(1)}, retain_keys=["a"])
+    assert time.perf_counter() - began < 1.0
+    assert inner.stats().blocks == 0 and store.pending == 1
+    threading.Timer(0.05, inner.gate.set).start()
+    assert store.get_concatenated(["a"]).max() == 1  # waits for the write
+    assert inner.refcount("a") == 1 and store.pending == 0
+    store.close()
+
+
+def test_a_full_queue_makes_put_wait_and_stays_bounded():
+    inner = GatedStore(LAYOUT, "t")
+    store = BackgroundBlockStore(inner, max_pending=2)
+    for i in range(3):  # one taken by the writer, two queued
+        store.put({f"k{i}": blk(i)})
+    blocked = threading.Thread(target=store.put, args=({"k3": blk(3)},))
+    blocked.start()
+    blocked.join(0.2)
+    assert blocked.is_alive() and store.pending <= 3 + 1
+    inner.gate.set()
+    blocked.join(5)
+    assert not blocked.is_alive()
+    store.flush()
+    assert inner.stats().blocks == 4
+    store.close()
+
+
+def test_a_writer_failure_is_sticky_and_typed():
+    inner = MemoryBlockStore(LAYOUT, "t", max_bytes=LAYOUT.block_nbytes)
+    store = BackgroundBlockStore(inner)
+    store.put({"a": blk(1)}, retain_keys=["a"])
+    store.put({"b": blk(2)})  # cannot fit: the writer fails
+    with pytest.raises(WriterError) as info:
+        store.flush()
+    assert isinstance(info.value.__cause__, StoreFullError)
+    for call in (lambda: store.put({"c": blk(3)}), lambda: store.get_concatenated(["a"]),
+                 store.flush):
+        with pytest.raises(WriterError):
+            call()
+    with pytest.raises(WriterError):
+        store.close()
+
+
+def test_close_drains_pending_writes_then_refuses_calls():
+    inner = GatedStore(LAYOUT, "t")
+    seen = []
+    original_close = inner.close
+    inner.close = lambda: (seen.append(inner.stats().blocks), original_close())
+    store = BackgroundBlockStore(inner)
+    for i in range(5):
+        store.put({f"k{i}": blk(i)})
+    inner.gate.set()
+    store.close()
+    assert seen == [5]
+    with pytest.raises(StoreClosedError):
+        store.put({"x": blk(1)})

@@ -1,0 +1,82 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from r3cache import RoutingLayout
+from r3cache.codec import CODEC_LZ4, CODEC_RAW, decode_rows, encode_rows, read_header
+from r3cache.errors import CorruptBlockError, LayoutMismatchError
+from r3cache.sim import oracle_rows
+
+LAYOUT = RoutingLayout(48, 8, 128, 16)
+
+
+def block(seed=0):
+    return oracle_rows(np.random.default_rng(seed).integers(0, 1000, 16), LAYOUT)
+
+
+def test_round_trip_is_exact_and_lz4_shrinks_routes():
+    rows = np.tile(block(), (1, 1, 1))
+    rows[:, :, :] = rows[0]  # repetitive rows compress
+    data = encode_rows(rows, LAYOUT)
+    header = read_header(data, "k")
+    assert header.codec == CODEC_LZ4 and len(data) < rows.nbytes
+    assert header.fingerprint == LAYOUT.fingerprint and header.raw_len == rows.nbytes
+    np.testing.assert_array_equal(decode_rows(data, LAYOUT, "k"), rows)
+
+
+def test_incompressible_rows_are_stored_raw():
+    rows = np.random.default_rng(1).integers(0, 128, (16, 48, 8)).astype(np.uint8)
+    data = encode_rows(rows, LAYOUT)
+    assert read_header(data, "k").codec == CODEC_RAW
+    np.testing.assert_array_equal(decode_rows(data, LAYOUT, "k"), rows)
+
+
+def test_partial_blocks_and_wide_dtypes_round_trip():
+    layout = RoutingLayout(2, 3, 70000, 16)
+    rows = np.random.default_rng(2).integers(0, 70000, (5, 2, 3)).astype(np.int32)
+    np.testing.assert_array_equal(decode_rows(encode_rows(rows, layout), layout, "k"), rows)
+
+
+def test_encode_rejects_rows_of_another_layout():
+    with pytest.raises(LayoutMismatchError):
+        encode_rows(np.zeros((16, 48, 8), np.int64), LAYOUT)
+
+
+@pytest.mark.parametrize(
+    ("mangle", "reason"),
+    [
+        (lambda d: b"", "truncated"),
+        (lambda d: d[:10], "truncated"),
+        (lambda d: d[:-5], "does not decode"),
+        (lambda d: b"hello world, this is not a block", "foreign value"),
+        (lambda d: d[:4] + bytes([9]) + d[5:], "unsupported format version"),
+        (lambda d: d[:5] + bytes([7]) + d[6:], "unknown codec"),
+    ],
+)
+def test_foreign_or_truncated_bytes_raise_corrupt_block_error_naming_the_key(mangle, reason):
+    data = encode_rows(block(), LAYOUT)
+    with pytest.raises(CorruptBlockError) as info:
+        decode_rows(mangle(data), LAYOUT, "r3:ns:{abc}:blk")
+    assert info.value.key == "r3:ns:{abc}:blk"
+    assert reason in str(info.value) and "r3:ns:{abc}:blk" in str(info.value)
+
+
+def test_a_block_of_another_layout_is_rejected():
+    other = RoutingLayout(48, 8, 64, 16)
+    data = encode_rows(block() % 64, other)
+    with pytest.raises(CorruptBlockError, match="does not match"):
+        decode_rows(data, LAYOUT, "k")
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**6), data=st.data())
+def test_every_single_bit_flip_is_detected(seed, data):
+    rows = block(seed % 50)
+    if seed % 2:
+        rows = np.random.default_rng(seed).integers(0, 128, rows.shape).astype(np.uint8)
+    encoded = bytearray(encode_rows(rows, LAYOUT))
+    bit = data.draw(st.integers(0, len(encoded) * 8 - 1))
+    encoded[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(CorruptBlockError):
+        decode_rows(bytes(encoded), LAYOUT, "k")

@@ -1,0 +1,51 @@
+import numpy as np
+import pytest
+
+from r3cache import RoutingLayout
+from r3cache.errors import ContractError, LayoutError, LayoutMismatchError
+
+
+@pytest.mark.parametrize(
+    ("experts", "dtype"),
+    [(1, np.uint8), (256, np.uint8), (257, np.uint16), (65536, np.uint16), (65537, np.int32)],
+)
+def test_dtype_is_the_narrowest_that_holds_every_expert_id(experts, dtype):
+    layout = RoutingLayout(num_layers=2, topk=1, num_experts=experts)
+    assert layout.dtype == np.dtype(dtype)
+    assert np.iinfo(layout.dtype).max >= experts - 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_layers": 0, "topk": 1, "num_experts": 8}, "num_layers must be positive"),
+        ({"num_layers": 2, "topk": -1, "num_experts": 8}, "topk must be positive"),
+        ({"num_layers": 2, "topk": 1, "num_experts": 0}, "num_experts must be positive"),
+        ({"num_layers": 2, "topk": 1, "num_experts": 8, "block_size": 0}, "block_size must be positive"),
+        ({"num_layers": 2, "topk": 9, "num_experts": 8}, "topk (9) cannot exceed num_experts (8)"),
+        ({"num_layers": 2.0, "topk": 1, "num_experts": 8}, "num_layers must be an int"),
+    ],
+)
+def test_invalid_layouts_raise_clear_typed_errors(kwargs, message):
+    with pytest.raises(LayoutError) as info:
+        RoutingLayout(**kwargs)
+    assert message in str(info.value)
+    assert isinstance(info.value, ContractError)
+
+
+def test_fingerprint_is_stable_and_round_trips():
+    layout = RoutingLayout(48, 8, 128, 16)
+    assert layout.fingerprint == "r3l1:L48:K8:E128:B16:|u1"
+    assert RoutingLayout.from_fingerprint(layout.fingerprint) == layout
+    assert RoutingLayout(48, 8, 129, 16).fingerprint != layout.fingerprint
+    with pytest.raises(LayoutMismatchError):
+        RoutingLayout.from_fingerprint("L48:K8")
+
+
+def test_check_rows_rejects_wrong_shapes_and_dtypes():
+    layout = RoutingLayout(3, 2, 16)
+    layout.check_rows(np.zeros((5, 3, 2), np.uint8))
+    for bad in (np.zeros((5, 3, 2), np.int64), np.zeros((5, 2, 3), np.uint8),
+                np.zeros((3, 2), np.uint8), [[0, 1]]):
+        with pytest.raises(LayoutMismatchError):
+            layout.check_rows(bad)

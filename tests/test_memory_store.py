@@ -1,0 +1,128 @@
+import numpy as np
+import pytest
+
+from r3cache import RoutingLayout, open_store
+from r3cache.errors import BlockNotFoundError, ContractError, LayoutMismatchError, StoreFullError
+from r3cache.store.memory import MemoryBlockStore
+
+LAYOUT = RoutingLayout(num_layers=2, topk=2, num_experts=8, block_size=4)
+
+
+def blk(value: int) -> np.ndarray:
+    return np.full(LAYOUT.block_shape, value, LAYOUT.dtype)
+
+
+def store(blocks: int = 4) -> MemoryBlockStore:
+    return MemoryBlockStore(LAYOUT, "t", max_bytes=blocks * LAYOUT.block_nbytes)
+
+
+def test_open_store_memory_url_with_query_options():
+    s = open_store("memory://?max_bytes=4096", layout=LAYOUT, namespace="m@v1")
+    assert isinstance(s, MemoryBlockStore) and s.max_bytes == 4096 and s.namespace == "m@v1"
+    with pytest.raises(ContractError, match="unsupported store URL scheme"):
+        open_store("ftp://x", layout=LAYOUT, namespace="m")
+    with pytest.raises(ContractError, match="namespace"):
+        open_store("memory://", layout=LAYOUT, namespace="")
+
+
+def test_get_concatenated_returns_rows_in_key_order():
+    s = store()
+    s.put({"a": blk(1), "b": blk(2)})
+    rows = s.get_concatenated(["b", "a", "b"])
+    assert rows.shape == (12, 2, 2)
+    assert rows[:4].max() == 2 and rows[4:8].max() == 1 and rows[8:].min() == 2
+    assert s.get_concatenated([]).shape == (0, 2, 2)
+
+
+def test_missing_key_raises_block_not_found_naming_it():
+    s = store()
+    s.put({"a": blk(1)})
+    with pytest.raises(BlockNotFoundError) as info:
+        s.get_concatenated(["a", "nope"])
+    assert info.value.keys == ("nope",) and "nope" in str(info.value)
+    assert "namespace 't'" in str(info.value)
+
+
+def test_first_writer_wins_and_conflicts_are_counted():
+    s = store()
+    s.put({"a": blk(1)})
+    s.put({"a": blk(1)})
+    s.put({"a": blk(3)})
+    assert s.get_concatenated(["a"]).max() == 1
+    stats = s.stats()
+    assert (stats.blocks_written, stats.duplicate_puts, stats.conflicts) == (1, 1, 1)
+
+
+def test_only_unreferenced_blocks_are_evicted_oldest_release_first():
+    s = store(blocks=3)
+    s.put({"p": blk(1), "x": blk(2), "y": blk(3)}, retain_keys=["p"])
+    s.put({"z": blk(4)})  # evicts x: the oldest unpinned block
+    assert s.stats().evictions == 1
+    with pytest.raises(BlockNotFoundError):
+        s.get_concatenated(["x"])
+    s.get_concatenated(["p", "y", "z"])
+
+
+def test_keys_released_together_are_evicted_in_release_order():
+    s = store(blocks=3)
+    head, mid, tail = "h", "m", "t"
+    s.put({head: blk(1), mid: blk(2), tail: blk(3)}, retain_keys=[head, mid, tail])
+    s.put({}, release_keys=[tail, mid, head])  # a finished request: tail first
+    s.put({"n1": blk(4)})
+    assert s.get_concatenated([head, mid]).shape[0] == 8
+    with pytest.raises(BlockNotFoundError):
+        s.get_concatenated([tail])
+    s.put({"n2": blk(5)})
+    with pytest.raises(BlockNotFoundError):
+        s.get_concatenated([mid])
+    s.get_concatenated([head])
+
+
+def test_reference_counts_are_per_hold_and_never_negative():
+    s = store()
+    s.put({"a": blk(1)}, retain_keys=["a", "a"])
+    s.put({}, release_keys=["a"])
+    assert s.refcount("a") == 1 and s.stats().pinned_blocks == 1
+    s.put({}, release_keys=["a", "a", "a"])
+    assert s.refcount("a") == 0 and s.stats().pinned_blocks == 0
+    s.put({}, retain_keys=["a"])
+    assert s.refcount("a") == 1
+
+
+def test_a_key_can_be_pinned_before_it_is_written():
+    s = store(blocks=1)
+    s.put({}, retain_keys=["later"])
+    s.put({"later": blk(1)})
+    with pytest.raises(StoreFullError):
+        s.put({"other": blk(2)})  # the only slot is pinned
+    s.put({}, release_keys=["later"])
+    assert s.stats().referenced_keys == 0
+
+
+def test_a_batch_that_cannot_fit_raises_without_a_partial_write():
+    s = store(blocks=2)
+    s.put({"a": blk(1)}, retain_keys=["a"])
+    s.put({"b": blk(2)})
+    before = s.stats()
+    with pytest.raises(StoreFullError, match="nothing was written"):
+        s.put({"c": blk(3), "d": blk(4)}, retain_keys=["b", "c"], release_keys=["a"])
+    assert s.stats() == before
+    assert s.refcount("a") == 1 and s.refcount("b") == 0 and s.refcount("c") == 0
+    s.get_concatenated(["a", "b"])
+
+
+def test_blocks_of_the_wrong_shape_or_dtype_are_rejected():
+    s = store()
+    with pytest.raises(LayoutMismatchError):
+        s.put({"a": np.zeros((3, 2, 2), LAYOUT.dtype)})
+    with pytest.raises(LayoutMismatchError):
+        s.put({"a": np.zeros(LAYOUT.block_shape, np.int32)})
+    assert s.stats().blocks == 0
+
+
+def test_stored_blocks_do_not_alias_the_callers_array():
+    s = store()
+    batch = np.stack([blk(1), blk(2)])
+    s.put({"a": batch[0], "b": batch[1]})
+    batch[:] = 7
+    assert s.get_concatenated(["a", "b"]).max() == 2

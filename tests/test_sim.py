@@ -1,0 +1,116 @@
+"""The simulator drives the connectors through whole workloads against the routing oracle."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from r3cache import RoutingLayout
+from r3cache.hashing import block_hashes
+from r3cache.sim import (
+    Engine,
+    SimConfig,
+    SimError,
+    SimRequest,
+    grpo_workload,
+    oracle_rows,
+    random_workload,
+    simulate,
+)
+from r3cache.store.memory import MemoryBlockStore
+from r3cache.connector.worker import WorkerConnector
+
+SMALL = RoutingLayout(num_layers=3, topk=2, num_experts=300, block_size=16)
+
+
+def test_oracle_rows_depend_on_the_whole_prefix_and_hold_distinct_experts():
+    layout = RoutingLayout(4, 3, 8, 4)
+    a = oracle_rows([1, 2, 3, 4, 5], layout)
+    b = oracle_rows([1, 2, 9, 4, 5], layout)
+    np.testing.assert_array_equal(a[:2], b[:2])
+    assert all((a[p] != b[p]).any() for p in range(2, 5))
+    assert all(len(set(row)) == 3 for row in a.reshape(-1, 3).tolist())
+    assert a.dtype == np.uint8 and a.max() < 8
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31),
+    block_size=st.sampled_from([1, 4, 16]),
+    spec=st.integers(0, 4),
+    reject_prob=st.floats(0.0, 0.9),
+    async_depth=st.sampled_from([1, 2]),
+    budget=st.integers(8, 300),
+    kv_slack=st.integers(0, 60),
+    max_num_seqs=st.integers(1, 16),
+    prefix_caching=st.booleans(),
+    reset=st.booleans(),
+)
+def test_random_workloads_get_exactly_their_oracle_rows(
+    seed, block_size, spec, reject_prob, async_depth, budget, kv_slack, max_num_seqs,
+    prefix_caching, reset,
+):
+    layout = RoutingLayout(3, 2, 300, block_size)
+    workload = random_workload(seed, num_requests=10, block_size=block_size)
+    longest = max(len(r.tokens) for r in workload)
+    config = SimConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+        num_kv_blocks=-(-longest // block_size) + 2 + kv_slack, num_spec_tokens=spec,
+        reject_prob=reject_prob, async_depth=async_depth, prefix_caching=prefix_caching,
+        reset_prefix_cache_when_idle=reset, seed=seed,
+    )
+    report = simulate(workload, layout, config)
+    assert report.failures == []
+    assert report.rows_verified == sum(len(r.tokens) - 1 - r.prompt_start for r in workload)
+
+
+def test_a_grpo_workload_exercises_every_mechanism_and_verifies():
+    config = SimConfig(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=24,
+                       num_spec_tokens=3, async_depth=2, seed=3)
+    workload = grpo_workload(num_prompts=4, samples=4, system_len=40, prompt_len=(8, 60),
+                             output_len=(8, 90), vocab=5000, seed=3)
+    report = simulate(workload, SMALL, config)
+    assert report.failures == []
+    assert report.prefix_hit_tokens > 0 and report.blocks_read > 0
+    assert report.preemptions > 0 and report.rejected_tokens > 0
+    assert report.store_stats.referenced_keys == 0 and report.store_stats.blocks > 0
+
+
+def test_idle_prefix_cache_resets_change_the_generation():
+    workload = [SimRequest(f"r{i}", list(range(40)), list(range(i, i + 20)), arrival_step=i * 60)
+                for i in range(3)]
+    report = simulate(workload, SMALL, SimConfig(reset_prefix_cache_when_idle=True))
+    assert report.failures == [] and report.resets >= 2
+    assert report.prefix_hit_tokens == 0  # each reset emptied the prefix cache
+
+
+class TamperingWorker(WorkerConnector):
+    """A real connector whose outputs are altered after the fact, to prove the checks bite."""
+
+    def process_output(self, pending):
+        outputs = super().process_output(pending)
+        for req_id, out in outputs.items():
+            if len(out.rows) and req_id == "victim":
+                rows = out.rows.copy()
+                rows[-1, 0, 0] = (int(rows[-1, 0, 0]) + 1) % 300
+                outputs[req_id] = out._replace(rows=rows)
+        return outputs
+
+
+def test_the_verifier_catches_a_single_wrong_expert_id():
+    worker = TamperingWorker(layout=SMALL, store=MemoryBlockStore(SMALL), max_concurrent_batches=2)
+    workload = [SimRequest("victim", list(range(30)), list(range(30, 50))),
+                SimRequest("bystander", list(range(5, 30)), list(range(7)))]
+    report = Engine(SMALL, worker, SimConfig()).run(workload)
+    worker.close()
+    assert len(report.failures) == 1 and report.failures[0].startswith("victim: row for position")
+
+
+def test_a_request_larger_than_the_kv_pool_is_refused():
+    with pytest.raises(SimError, match="more KV blocks"):
+        simulate([SimRequest("big", list(range(100)), [1])], SMALL, SimConfig(num_kv_blocks=3))
+
+
+def test_sim_hashes_are_vllm_block_hashes():
+    request = SimRequest("r", list(range(40)), [1, 2])
+    assert block_hashes(request.tokens, 16)[0] == block_hashes(list(range(16)), 16)[0]

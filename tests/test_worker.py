@@ -1,0 +1,344 @@
+"""Scenario tests for WorkerConnector: every assertion is on exact rows."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from r3cache import RequestOutput, RoutingLayout, StepBatch, WorkerConnector
+from r3cache.errors import (
+    BlockNotFoundError,
+    CursorError,
+    GenerationError,
+    InvalidBatchError,
+    LayoutMismatchError,
+    MetadataError,
+)
+from r3cache.store.memory import MemoryBlockStore
+from tests.conftest import Harness
+
+TOKENS = list(range(100, 140))
+OTHER = list(range(100, 108)) + list(range(500, 532))  # shares 2 blocks (8 tokens) with TOKENS
+
+
+def assert_output(out: RequestOutput, h: Harness, req: str, start: int, stop: int) -> None:
+    assert out.token_start == start
+    np.testing.assert_array_equal(out.rows, h.rows(req, start, stop))
+
+
+def test_prefill_then_decode_emits_exact_rows_and_publishes_blocks(harness):
+    h = harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 1)})
+    out = h.step([("r", 0, 6)], sampled=[1])
+    assert_output(out["r"], h, "r", 0, 6)
+    for pos in (6, 7):
+        assert_output(h.step([("r", pos, 1)], sampled=[1])["r"], h, "r", pos, pos + 1)
+    h.begin(block_hashes={"r": h.hashes("r", 1, 2)})
+    np.testing.assert_array_equal(h.worker.store.get_concatenated(h.keys("r", 0, 2)),
+                                  h.rows("r", 0, 8))
+    assert h.refcount(h.keys("r")[0]) == 1
+
+
+def test_prefix_hit_reads_the_producers_rows_published_earlier_in_the_same_batch(harness):
+    h = harness
+    h.add("p", TOKENS[:12])
+    h.add("c", OTHER[:10])
+    shared = h.hashes("p", 0, 2)
+    assert shared == h.hashes("c", 0, 2)
+    h.begin({"p": 0, "c": 0}, {"p": h.hashes("p"), "c": h.hashes("c")})
+    assert h.store.stats().blocks == 0
+    out = h.step([("p", 0, 12), ("c", 8, 2)], sampled=[1, 1])
+    assert_output(out["p"], h, "p", 0, 12)
+    assert_output(out["c"], h, "c", 0, 10)  # rows 0..7 come from the producer's blocks
+    assert h.worker.stats.blocks_read == 2
+    assert h.refcount(shared[0].hex()) == 2
+
+
+def test_prefix_hit_of_a_fully_cached_prompt_recomputes_only_the_last_token(harness):
+    h = harness
+    h.add("p", TOKENS[:9])
+    h.add("c", TOKENS[:8] + [7])
+    h.begin({"p": 0}, {"p": h.hashes("p")})
+    h.step([("p", 0, 9)], sampled=[1])
+    h.begin({"c": 0}, {"c": h.hashes("c", 0, 2)}, finished=["p"])
+    # All 8 prompt tokens hit the cache; the scheduler recomputes position 7.
+    out = h.step([("c", 7, 1)], sampled=[1])
+    assert_output(out["c"], h, "c", 0, 8)
+    # The recomputed block was the producer's: nothing of c's was published over it.
+    assert h.store.stats().duplicate_puts == 0
+    assert_output(h.step([("c", 8, 1)], sampled=[1])["c"], h, "c", 8, 9)
+
+
+@pytest.mark.parametrize("hashes_known", [True, False])
+def test_chunked_prefill_stopping_mid_block_emits_nothing_until_a_token_is_sampled(
+    harness, hashes_known
+):
+    h = harness
+    h.add("r", TOKENS[:11])
+    h.begin({"r": 0}, {"r": h.hashes("r")} if hashes_known else None)
+    assert h.step([("r", 0, 6)], sampled=[0]) == {}
+    out = h.step([("r", 6, 4)], sampled=[0])
+    assert out == {}
+    out = h.step([("r", 10, 1)], sampled=[1])
+    assert_output(out["r"], h, "r", 0, 11)  # from store, unkeyed blocks and the tail
+    assert h.worker.stats.blocks_read == (2 if hashes_known else 0)
+
+
+def test_speculative_rejections_are_discarded(harness):
+    h = harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 2)})
+    h.step([("r", 0, 8)], sampled=[1])
+    rows = np.concatenate([h.rows("r", 8, 10), np.full((2, 3, 2), 15, np.uint8)])
+    out = h.step([("r", 8, 4)], sampled=[2], rejected=[2], rows=rows)
+    assert_output(out["r"], h, "r", 8, 10)
+    out = h.step([("r", 10, 3)], sampled=[3])
+    assert_output(out["r"], h, "r", 10, 13)
+    h.begin(block_hashes={"r": h.hashes("r", 2, 3)})
+    np.testing.assert_array_equal(h.worker.store.get_concatenated([h.keys("r")[2]]),
+                                  h.rows("r", 8, 12))
+
+
+def test_capture_reattaches_after_an_optimistic_suffix_is_rejected(async_harness):
+    h = async_harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0})
+    h.step([("r", 0, 8)], sampled=[1])
+    garbage = np.full((2, 3, 2), 15, np.uint8)
+    first = h.prepare([("r", 8, 4)], rows=np.concatenate([h.rows("r", 8, 10), garbage]))
+    first.enqueue_cpu_copy([2], [2])
+    # Scheduled before the rejection was known: starts at 12, really ran from 10.
+    second = h.prepare([("r", 12, 4, 10)])
+    second.enqueue_cpu_copy([4], [0])
+    assert_output(h.worker.process_output(first)["r"], h, "r", 8, 10)
+    assert_output(h.worker.process_output(second)["r"], h, "r", 10, 14)
+
+
+def test_finished_request_teardown_waits_for_in_flight_steps(async_harness):
+    h = async_harness
+    h.add("r", TOKENS[:12])
+    keys = h.keys("r")
+    h.begin({"r": 0}, {"r": h.hashes("r")})
+    pending = h.prepare([("r", 0, 11)])
+    pending.enqueue_cpu_copy([1], [0])
+    h.begin(finished=["r"])
+    assert h.worker.num_requests == 1 and h.refcount(keys[0]) == 1
+    assert_output(h.worker.process_output(pending)["r"], h, "r", 0, 11)
+    assert h.worker.num_requests == 0
+    assert all(h.refcount(k) == 0 for k in keys)
+    np.testing.assert_array_equal(h.store.get_concatenated(keys[:2]), h.rows("r", 0, 8))
+
+
+def test_a_full_block_waits_for_its_hash_in_a_hash_only_update(harness):
+    h = harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0})
+    h.step([("r", 0, 6)], sampled=[1])
+    h.step([("r", 6, 3)], sampled=[3])  # positions 6..8: blocks 0 and 1 complete
+    assert h.store.stats().blocks == 0
+    h.begin(block_hashes={"r": h.hashes("r", 0, 2)})
+    h.worker.store.flush()
+    np.testing.assert_array_equal(h.store.get_concatenated(h.keys("r", 0, 2)), h.rows("r", 0, 8))
+    h.begin(finished=["r"], block_hashes={"r": h.hashes("r", 2, 3)})  # never completed
+    assert h.refcount(h.keys("r")[2]) == 0 and h.worker.num_requests == 0
+
+
+def test_finished_requests_release_keys_tail_first(layout):
+    h = Harness(layout, max_bytes=3 * layout.block_nbytes)
+    h.add("r", TOKENS[:13])
+    keys = h.keys("r")
+    h.begin({"r": 0}, {"r": h.hashes("r")})
+    h.step([("r", 0, 12)], sampled=[1])
+    h.begin(finished=["r"])
+    h.worker.store.put({"new": np.zeros(layout.block_shape, layout.dtype)})
+    with pytest.raises(BlockNotFoundError):
+        h.worker.store.get_concatenated([keys[2]])  # the tail block went first
+    np.testing.assert_array_equal(h.store.get_concatenated(keys[:2]), h.rows("r", 0, 8))
+    h.worker.close()
+
+
+def test_a_generation_change_releases_everything(harness):
+    h = harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 2)})
+    h.step([("r", 0, 8)], sampled=[1])
+    h.begin(generation=1)
+    assert h.worker.num_requests == 0
+    assert all(h.refcount(k) == 0 for k in h.keys("r", 0, 2))
+    h.begin({"r": 9}, {"r": h.hashes("r", 0, 2)})  # a new generation starts afresh
+    assert_output(h.step([("r", 0, 10)], sampled=[1])["r"], h, "r", 9, 10)
+
+
+def test_generation_cannot_change_with_output_in_flight_or_move_back(async_harness):
+    h = async_harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0}, generation=2)
+    pending = h.prepare([("r", 0, 4)])
+    with pytest.raises(GenerationError, match="in flight"):
+        h.begin(generation=3)
+    pending.enqueue_cpu_copy([1], [0])
+    h.worker.process_output(pending)
+    with pytest.raises(GenerationError, match="backwards"):
+        h.begin(generation=1)
+
+
+def test_preemption_and_resume_continue_from_the_emit_start(harness):
+    h = harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 2)})
+    h.step([("r", 0, 8)], sampled=[1])
+    h.step([("r", 8, 2)], sampled=[2])
+    h.begin(finished=["r"])  # preempted: rows 0..9 were delivered
+    # Resumed: blocks 0-1 still cached, positions 8..10 recomputed, rows owed from 10.
+    h.begin({"r": 10}, {"r": h.hashes("r", 0, 2)})
+    assert_output(h.step([("r", 8, 3)], sampled=[1])["r"], h, "r", 10, 11)
+    h.begin(finished=["r"])
+    h.begin({"r": 11}, {"r": h.hashes("r", 0, 2)})  # nothing cached this time
+    assert_output(h.step([("r", 0, 12)], sampled=[1])["r"], h, "r", 11, 12)
+
+
+def test_prompt_start_at_the_prompt_length_gives_an_empty_prompt_slice(harness):
+    h = harness
+    h.add("r", TOKENS)
+    h.begin({"r": 6})
+    out = h.step([("r", 0, 6)], sampled=[1])
+    assert out["r"].token_start == 6 and out["r"].rows.shape == (0, 3, 2)
+    assert_output(h.step([("r", 6, 1)], sampled=[1])["r"], h, "r", 6, 7)
+
+
+def test_padding_rows_past_the_batch_are_ignored(harness):
+    h = harness
+    h.add("a", TOKENS)
+    h.add("b", OTHER)
+    h.begin({"a": 0, "b": 0}, {"a": h.hashes("a", 0, 1), "b": h.hashes("b", 0, 1)})
+    out = h.step([("a", 0, 5), ("b", 0, 3)], sampled=[1, 0], padding=7)
+    assert list(out) == ["a"]
+    assert_output(out["a"], h, "a", 0, 5)
+
+
+# -- contract violations raise typed errors ------------------------------------------
+
+
+def test_run_and_finish_in_one_step_is_rejected(harness):
+    with pytest.raises(MetadataError, match="run and finish"):
+        harness.begin({"r": 0}, finished=["r"])
+
+
+def test_capture_moving_backwards_or_leaving_an_unbacked_gap_is_rejected(harness):
+    h = harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0})
+    h.step([("r", 0, 8)], sampled=[1])
+    pending = h.prepare([("r", 4, 1)])
+    pending.enqueue_cpu_copy([1], [0])
+    with pytest.raises(CursorError, match="capture moved backwards"):
+        h.worker.process_output(pending)
+    pending = h.prepare([("r", 10, 1)])
+    pending.enqueue_cpu_copy([1], [0])
+    with pytest.raises(CursorError, match="unbacked gap"):
+        h.worker.process_output(pending)
+
+
+@pytest.mark.parametrize(
+    ("req_ids", "starts", "qsl", "message"),
+    [
+        (["a", "b"], [0, 0], [0, 4, 4], "query_start_loc must increase"),
+        (["a", "b"], [0, 0], [0, 4, 2], "rows must not overlap"),
+        (["a", "a"], [0, 0], [0, 2, 4], "appears twice"),
+        (["a"], [0], [0], "need 2 query_start_loc"),
+        (["a"], [0], [0, 50], "routed_experts has 10 rows"),
+    ],
+)
+def test_malformed_batches_are_rejected(harness, req_ids, starts, qsl, message):
+    h = harness
+    h.begin({"a": 0, "b": 0})
+    with pytest.raises(InvalidBatchError, match=message):
+        h.worker.prepare_output(StepBatch(req_ids, np.array(starts), np.array(qsl)),
+                                routed_experts=np.zeros((10, 3, 2), np.uint8))
+    assert h.worker.num_requests == 2
+
+
+@pytest.mark.parametrize("rejected", [-1, 5])
+def test_invalid_rejected_counts_are_rejected(harness, rejected):
+    h = harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0})
+    pending = h.prepare([("r", 0, 4)])
+    pending.enqueue_cpu_copy([1], [rejected])
+    with pytest.raises(InvalidBatchError, match="rejected of 4"):
+        h.worker.process_output(pending)
+
+
+def test_layout_mismatches_are_rejected(layout):
+    with pytest.raises(LayoutMismatchError):
+        WorkerConnector(layout=layout, store=MemoryBlockStore(RoutingLayout(3, 2, 17, 4)))
+    h = Harness(layout)
+    h.begin({"r": 0})
+    for rows in (np.zeros((4, 3, 2), np.int64), np.zeros((4, 2, 3), np.uint8)):
+        with pytest.raises(LayoutMismatchError):
+            h.worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 4])), rows)
+    h.worker.close()
+
+
+def test_a_prefix_hit_on_a_missing_block_fails_closed_naming_request_and_key(harness):
+    h = harness
+    h.add("c", TOKENS)
+    h.begin({"c": 0}, {"c": h.hashes("c", 0, 2)})
+    pending = h.prepare([("c", 8, 2)])
+    pending.enqueue_cpu_copy([1], [0])
+    with pytest.raises(BlockNotFoundError) as info:
+        h.worker.process_output(pending)
+    assert info.value.request_ids == ("c",)
+    assert set(info.value.keys) == set(h.keys("c", 0, 2))
+    assert "'c'" in str(info.value) and "prefix-cache hit" in str(info.value)
+
+
+def test_step_outputs_must_be_consumed_in_order_and_within_the_flight_limit(async_harness):
+    h = async_harness
+    h.add("a", TOKENS)
+    h.add("b", OTHER)
+    h.begin({"a": 0, "b": 0})
+    first = h.prepare([("a", 0, 4)])
+    second = h.prepare([("b", 0, 4)])
+    with pytest.raises(InvalidBatchError, match="already in flight"):
+        h.prepare([("a", 4, 1)])
+    with pytest.raises(InvalidBatchError, match="enqueue_cpu_copy"):
+        h.worker.process_output(first)
+    second.enqueue_cpu_copy([1], [0])
+    with pytest.raises(InvalidBatchError, match="in the order prepared"):
+        h.worker.process_output(second)
+    with pytest.raises(InvalidBatchError, match="2 entries for 1 requests"):
+        first.enqueue_cpu_copy([1, 1], [0])
+
+
+def test_unknown_requests_and_an_emit_start_ahead_of_the_worker_are_rejected(harness):
+    h = harness
+    h.add("r", TOKENS)
+    with pytest.raises(MetadataError, match="'ghost' is not registered"):
+        h.prepare([("ghost", 0, 1)], rows=np.zeros((1, 3, 2), np.uint8))
+    with pytest.raises(MetadataError, match="'ghost' is not registered"):
+        h.begin(block_hashes={"ghost": [b"x"]})
+    h.begin({"r": 0})
+    h.step([("r", 0, 6)], sampled=[1])
+    with pytest.raises(CursorError, match="ahead"):
+        h.begin({"r": 9})
+
+
+def test_contract_checks_survive_python_dash_o(tmp_path):
+    script = tmp_path / "check.py"
+    script.write_text(
+        "from r3cache import RoutingLayout, StepMetadata, WorkerConnector\n"
+        "from r3cache.store.memory import MemoryBlockStore\n"
+        "from r3cache.errors import MetadataError\n"
+        "layout = RoutingLayout(2, 1, 4, 4)\n"
+        "w = WorkerConnector(layout=layout, store=MemoryBlockStore(layout))\n"
+        "try:\n"
+        "    w.begin_step(StepMetadata(0, {'r': 0}, {}, ('r',)))\n"
+        "except MetadataError:\n"
+        "    print('raised')\n"
+    )
+    result = subprocess.run([sys.executable, "-O", str(script)], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "raised"
