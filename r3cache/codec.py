@@ -63,7 +63,9 @@ def decode_rows(data: bytes, layout: RoutingLayout, key: str) -> np.ndarray:
     else:
         raw = bytes(payload)
     if len(raw) != header.raw_len:
-        raise CorruptBlockError(key, f"payload holds {len(raw)} bytes, header says {header.raw_len}")
+        raise CorruptBlockError(
+            key, f"payload holds {len(raw)} bytes, header says {header.raw_len}"
+        )
     if zlib.crc32(raw, zlib.crc32(data[: header.payload_offset - 4])) != header.crc32:
         raise CorruptBlockError(key, "checksum mismatch")
     if header.raw_len % layout.row_nbytes:

@@ -42,7 +42,9 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 def _powers(base: int, n: int) -> np.ndarray:
-    return np.cumprod(np.concatenate(([1], np.full(max(n - 1, 0), base, np.uint64))).astype(np.uint64))[:n]
+    factors = np.full(n, base, np.uint64)
+    factors[:1] = 1
+    return np.cumprod(factors, dtype=np.uint64)
 
 
 def oracle_rows(token_ids, layout: RoutingLayout) -> np.ndarray:
@@ -544,7 +546,8 @@ def random_workload(
         shared = int(rng.integers(0, len(root) + 1))
         if rng.random() < 0.5:
             shared -= shared % block_size
-        prompt = root[:shared] + _tokens(rng, int(rng.integers(0 if shared else 1, 3 * block_size)), vocab)
+        own = int(rng.integers(0 if shared else 1, 3 * block_size))
+        prompt = root[:shared] + _tokens(rng, own, vocab)
         output = _tokens(rng, int(rng.integers(1, 5 * block_size)), vocab)
         prompt_start = int(rng.choice([0, rng.integers(0, len(prompt) + 1), len(prompt)]))
         max_tokens = len(output) + int(rng.integers(0, 8))

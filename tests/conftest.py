@@ -56,7 +56,7 @@ class Harness:
             parts = [self.rows(e[0], e[3] if len(e) > 3 else e[1],
                                (e[3] if len(e) > 3 else e[1]) + e[2]) for e in entries]
             garbage = np.full((padding, *self.layout.row_shape), 15, self.layout.dtype)
-            rows = np.concatenate([*parts, garbage]) if parts or padding else self.layout.empty_rows()
+            rows = np.concatenate([self.layout.empty_rows(), *parts, garbage])
         batch = StepBatch([e[0] for e in entries], np.array([e[1] for e in entries]), qsl)
         return self.worker.prepare_output(batch, routed_experts=rows)
 

@@ -21,7 +21,10 @@ def test_dtype_is_the_narrowest_that_holds_every_expert_id(experts, dtype):
         ({"num_layers": 0, "topk": 1, "num_experts": 8}, "num_layers must be positive"),
         ({"num_layers": 2, "topk": -1, "num_experts": 8}, "topk must be positive"),
         ({"num_layers": 2, "topk": 1, "num_experts": 0}, "num_experts must be positive"),
-        ({"num_layers": 2, "topk": 1, "num_experts": 8, "block_size": 0}, "block_size must be positive"),
+        (
+            {"num_layers": 2, "topk": 1, "num_experts": 8, "block_size": 0},
+            "block_size must be positive",
+        ),
         ({"num_layers": 2, "topk": 9, "num_experts": 8}, "topk (9) cannot exceed num_experts (8)"),
         ({"num_layers": 2.0, "topk": 1, "num_experts": 8}, "num_layers must be an int"),
     ],

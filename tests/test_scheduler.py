@@ -15,7 +15,8 @@ def test_new_requests_carry_their_emit_start_and_hashes_are_sent_once():
     assert {k: list(v) for k, v in md.block_hashes.items()} == {"a": [b"h0", b"h1"]}
     s.update_block_hashes("a", [b"h0", b"h1", b"h2"])
     md = s.build_step_metadata()
-    assert dict(md.requests) == {} and {k: list(v) for k, v in md.block_hashes.items()} == {"a": [b"h2"]}
+    assert dict(md.requests) == {}
+    assert {k: list(v) for k, v in md.block_hashes.items()} == {"a": [b"h2"]}
     assert s.build_step_metadata().is_empty()
     with pytest.raises(MetadataError, match="cannot shrink"):
         s.update_block_hashes("a", [b"h0"])

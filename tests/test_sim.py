@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from r3cache import RoutingLayout
+from r3cache.connector.worker import WorkerConnector
 from r3cache.hashing import block_hashes
 from r3cache.sim import (
     Engine,
@@ -18,7 +19,6 @@ from r3cache.sim import (
     simulate,
 )
 from r3cache.store.memory import MemoryBlockStore
-from r3cache.connector.worker import WorkerConnector
 
 SMALL = RoutingLayout(num_layers=3, topk=2, num_experts=300, block_size=16)
 

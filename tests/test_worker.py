@@ -145,18 +145,38 @@ def test_a_full_block_waits_for_its_hash_in_a_hash_only_update(harness):
     assert h.refcount(h.keys("r")[2]) == 0 and h.worker.num_requests == 0
 
 
-def test_finished_requests_release_keys_tail_first(layout):
-    h = Harness(layout, max_bytes=3 * layout.block_nbytes)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_finished_requests_release_keys_tail_first(layout, deferred):
+    h = Harness(layout, max_bytes=3 * layout.block_nbytes, max_concurrent_batches=2)
     h.add("r", TOKENS[:13])
     keys = h.keys("r")
     h.begin({"r": 0}, {"r": h.hashes("r")})
-    h.step([("r", 0, 12)], sampled=[1])
-    h.begin(finished=["r"])
+    pending = h.prepare([("r", 0, 12)])
+    pending.enqueue_cpu_copy([1], [0])
+    if deferred:
+        h.begin(finished=["r"])
+        h.worker.process_output(pending)
+    else:
+        h.worker.process_output(pending)
+        h.begin(finished=["r"])
     h.worker.store.put({"new": np.zeros(layout.block_shape, layout.dtype)})
     with pytest.raises(BlockNotFoundError):
         h.worker.store.get_concatenated([keys[2]])  # the tail block went first
     np.testing.assert_array_equal(h.store.get_concatenated(keys[:2]), h.rows("r", 0, 8))
     h.worker.close()
+
+
+def test_a_writer_whose_rows_differ_from_the_stored_block_still_gets_its_own_rows(harness):
+    h = harness
+    h.add("r", TOKENS[:11])
+    key = h.keys("r")[1]
+    # Another replica stored different rows under the same block hash.
+    h.store.put({key: np.zeros(h.layout.block_shape, h.layout.dtype)})
+    h.begin({"r": 0}, {"r": h.hashes("r")})
+    assert h.step([("r", 0, 2)], sampled=[0]) == {}
+    assert_output(h.step([("r", 2, 8)], sampled=[1])["r"], h, "r", 0, 10)
+    h.worker.store.flush()
+    assert h.store.stats().conflicts == 1
 
 
 def test_a_generation_change_releases_everything(harness):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import numpy as np
 
-BlockHash = Union[bytes, str, int]
+BlockHash = bytes | str | int
 
 
 def block_key(block_hash: BlockHash) -> str:

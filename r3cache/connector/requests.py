@@ -110,6 +110,7 @@ class RequestTable:
         for name in ("capture", "scheduled", "emit", "owned_from", "inflight", "finished", "nkeys"):
             column = getattr(self, name)
             setattr(self, name, np.concatenate((column, np.zeros(extra, column.dtype))))
-        self.tail = np.concatenate((self.tail, np.zeros((extra, *self.layout.block_shape), self.layout.dtype)))
+        new_tails = np.zeros((extra, *self.layout.block_shape), self.layout.dtype)
+        self.tail = np.concatenate((self.tail, new_tails))
         # Pop low slots first, so a small batch touches a compact part of the columns.
         self._free.extend(range(capacity - 1, old - 1, -1))

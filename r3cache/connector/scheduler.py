@@ -121,4 +121,6 @@ class SchedulerConnector:
         try:
             return self._requests[req_id]
         except KeyError:
-            raise MetadataError(f"request {req_id!r} is not known to the scheduler connector") from None
+            raise MetadataError(
+                f"request {req_id!r} is not known to the scheduler connector"
+            ) from None

@@ -273,7 +273,6 @@ class WorkerConnector:
 
     def _commit(self, pending: PendingOutput) -> dict[str, RequestOutput]:
         table = self._table
-        bs = self.layout.block_size
         slots = pending.slots
         qsl = pending.query_start_loc
         counts = np.diff(qsl)

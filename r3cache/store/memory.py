@@ -32,6 +32,7 @@ class MemoryBlockStore:
         self._refs: dict[str, int] = {}
         # Stored blocks with no reference, oldest release first: the eviction order.
         self._idle: OrderedDict[str, None] = OrderedDict()
+        self._idle_bytes = 0
         self._used = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -55,7 +56,8 @@ class MemoryBlockStore:
             self._reserve(sum(v.nbytes for v in new.values()), retain_keys)
             for key in retain_keys:
                 self._refs[key] = self._refs.get(key, 0) + 1
-                self._idle.pop(key, None)
+                if self._idle.pop(key, 0) is None:
+                    self._idle_bytes -= self._blocks[key].nbytes
             for key, rows in objects.items():
                 if key in new:
                     self._insert(key, rows)
@@ -71,20 +73,26 @@ class MemoryBlockStore:
         """Evict idle blocks until ``nbytes`` fit, or raise before changing anything."""
         if self._used + nbytes <= self.max_bytes:
             return
-        retained = set(retain_keys)
-        evictable = sum(self._blocks[k].nbytes for k in self._idle if k not in retained)
+        retained = {k for k in retain_keys if k in self._idle}
+        evictable = self._idle_bytes - sum(self._blocks[k].nbytes for k in retained)
         if self._used - evictable + nbytes > self.max_bytes:
             raise StoreFullError(
                 f"namespace {self.namespace!r}: {nbytes} new bytes do not fit in "
                 f"{self.max_bytes} with {self._used - evictable} bytes pinned; nothing was written"
             )
-        for key in list(self._idle):
-            if self._used + nbytes <= self.max_bytes:
-                break
-            if key not in retained:
-                del self._idle[key]
-                self._used -= self._blocks.pop(key).nbytes
-                self._evictions += 1
+        skipped = []
+        while self._used + nbytes > self.max_bytes:
+            key, _ = self._idle.popitem(last=False)
+            if key in retained:
+                skipped.append(key)
+                continue
+            size = self._blocks.pop(key).nbytes
+            self._used -= size
+            self._idle_bytes -= size
+            self._evictions += 1
+        for key in reversed(skipped):  # about to be pinned by this batch: not evicted
+            self._idle[key] = None
+            self._idle.move_to_end(key, last=False)
 
     def _insert(self, key: str, rows: np.ndarray) -> None:
         # Own the bytes: a view would keep the caller's whole batch array alive.
@@ -93,7 +101,7 @@ class MemoryBlockStore:
         self._used += block.nbytes
         self._written += 1
         if not self._refs.get(key):
-            self._idle[key] = None
+            self._make_idle(key)
 
     def _release(self, key: str) -> None:
         count = self._refs.get(key, 0)
@@ -103,7 +111,11 @@ class MemoryBlockStore:
         # Counts never go negative: releasing an unheld key changes nothing.
         self._refs.pop(key, None)
         if count == 1 and key in self._blocks:
-            self._idle[key] = None
+            self._make_idle(key)
+
+    def _make_idle(self, key: str) -> None:
+        self._idle[key] = None
+        self._idle_bytes += self._blocks[key].nbytes
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         with self._lock:
@@ -144,7 +156,7 @@ class MemoryBlockStore:
             self._blocks.clear()
             self._refs.clear()
             self._idle.clear()
-            self._used = 0
+            self._idle_bytes = self._used = 0
 
     def _check_open(self) -> None:
         if self._closed:
