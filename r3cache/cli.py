@@ -36,7 +36,8 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--async-depth", type=int, default=2, choices=(1, 2))
     demo.add_argument("--max-num-seqs", type=int, default=64)
     demo.add_argument("--max-batched-tokens", type=int, default=2048)
-    demo.add_argument("--kv-blocks", type=int, default=2048, help="KV cache pool size in blocks")
+    demo.add_argument("--kv-blocks", type=int, default=512,
+                      help="KV cache pool in blocks; small enough to force preemptions")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_run_demo)
 
