@@ -54,6 +54,11 @@ def decode_rows(data: bytes, layout: RoutingLayout, key: str) -> np.ndarray:
         raise CorruptBlockError(
             key, f"layout {header.fingerprint!r} does not match {layout.fingerprint!r}"
         )
+    if header.raw_len > layout.block_nbytes or header.raw_len % layout.row_nbytes:
+        # Checked before decompressing: a flipped length bit must not allocate gigabytes.
+        raise CorruptBlockError(
+            key, f"{header.raw_len} bytes is not at most one block of whole rows"
+        )
     payload = memoryview(data)[header.payload_offset :]
     if header.codec == CODEC_LZ4:
         try:
@@ -68,8 +73,6 @@ def decode_rows(data: bytes, layout: RoutingLayout, key: str) -> np.ndarray:
         )
     if zlib.crc32(raw, zlib.crc32(data[: header.payload_offset - 4])) != header.crc32:
         raise CorruptBlockError(key, "checksum mismatch")
-    if header.raw_len % layout.row_nbytes:
-        raise CorruptBlockError(key, f"{header.raw_len} bytes is not a whole number of rows")
     return np.frombuffer(raw, dtype=layout.dtype).reshape(-1, *layout.row_shape)
 
 

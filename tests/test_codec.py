@@ -80,3 +80,11 @@ def test_every_single_bit_flip_is_detected(seed, data):
     encoded[bit // 8] ^= 1 << (bit % 8)
     with pytest.raises(CorruptBlockError):
         decode_rows(bytes(encoded), LAYOUT, "k")
+
+
+def test_a_huge_length_in_the_header_is_rejected_before_decompressing():
+    data = bytearray(encode_rows(block(), LAYOUT))
+    at = 7 + len(LAYOUT.fingerprint)
+    data[at : at + 4] = (0xFFFFFFFF).to_bytes(4, "little")
+    with pytest.raises(CorruptBlockError, match="not at most one block"):
+        decode_rows(bytes(data), LAYOUT, "k")
