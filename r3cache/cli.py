@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from r3cache.errors import R3Error
 from r3cache.layout import RoutingLayout
 from r3cache.sim import SimConfig, SimReport, grpo_workload, simulate
 
@@ -89,6 +90,44 @@ def _format_report(report: SimReport, layout: RoutingLayout, url: str, seconds: 
     return "\n".join(lines)
 
 
+def _gc_parser(sub: argparse._SubParsersAction) -> None:
+    gc = sub.add_parser(
+        "gc",
+        help="release the holds of engines whose lease expired (crashed owners)",
+        description=(
+            "Every engine that opens a namespace keeps a heartbeat key with a TTL. "
+            "gc finds owners whose heartbeat expired and drops their holds, so the "
+            "blocks they pinned get the idle TTL. Engines also run it when they start."
+        ),
+    )
+    gc.add_argument("url", help="redis://, rediss://, unix:// or redis+cluster:// URL")
+    gc.add_argument("--namespace", action="append",
+                    help="namespace to clean (repeatable; default: every namespace)")
+    gc.set_defaults(func=_run_gc)
+
+
+def _run_gc(args: argparse.Namespace) -> int:
+    from r3cache.store.janitor import list_namespaces, reclaim_dead_owners
+    from r3cache.store.redis import open_redis_store
+
+    namespaces = args.namespace or list_namespaces(args.url)
+    if not namespaces:
+        print("no r3cache namespaces found")
+    for namespace in namespaces:
+        store = open_redis_store(args.url, layout=None, namespace=namespace,
+                                 lease=False, janitor=False)
+        try:
+            report = reclaim_dead_owners(store)
+        finally:
+            store.close()
+        print(f"{namespace}: {len(report.live_owners)} live owner(s), "
+              f"{len(report.dead_owners)} dead owner(s) reclaimed, "
+              f"{report.holds_dropped} hold(s) dropped")
+        for owner in report.dead_owners:
+            print(f"  reclaimed {owner}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="r3cache",
@@ -96,12 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
+    _gc_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except R3Error as exc:
+        print(f"r3cache {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

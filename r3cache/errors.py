@@ -95,6 +95,14 @@ class StoreFullError(StoreError):
     """The store cannot take a batch without evicting pinned blocks; nothing was written."""
 
 
+class StoreUnavailableError(StoreError):
+    """The store's server could not be reached or did not answer in time."""
+
+
+class StoreAccessError(StoreError):
+    """The store refused the credentials or the command (AUTH, ACL)."""
+
+
 class StoreClosedError(StoreError):
     """The store was used after close()."""
 

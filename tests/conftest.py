@@ -82,3 +82,87 @@ def async_harness(layout) -> Harness:
     h = Harness(layout, max_concurrent_batches=2)
     yield h
     h.worker.close()
+
+
+# -- real Redis servers ---------------------------------------------------------------
+
+import os  # noqa: E402
+import uuid  # noqa: E402
+
+import redis  # noqa: E402
+
+from r3cache.testing import RedisClusterProcesses, RedisServer  # noqa: E402
+
+
+def _machine_redis() -> str | None:
+    url = os.environ.get("R3CACHE_TEST_REDIS", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    except redis.exceptions.RedisError:
+        return None
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A standalone Redis: the machine's (127.0.0.1:6379), or a spawned redis-server."""
+    url = _machine_redis()
+    if url is not None:
+        yield url
+        return
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A 6-node Redis Cluster (3 primaries, 3 replicas) of local redis-server processes."""
+    with RedisClusterProcesses() as processes:
+        yield processes
+
+
+@pytest.fixture(scope="session")
+def cluster_url(cluster):
+    return cluster.url
+
+
+def _docker_engine() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=2).ping()
+    except Exception:  # noqa: BLE001 - any failure means: no engine here
+        return False
+    return True
+
+
+DOCKER = _docker_engine()
+
+
+@pytest.fixture(scope="session")
+def docker_redis_url():
+    """A Redis in a testcontainers container; only requested where a Docker engine runs."""
+    from testcontainers.redis import RedisContainer
+
+    with RedisContainer("redis:7") as container:
+        host = container.get_container_host_ip()
+        yield f"redis://{host}:{container.get_exposed_port(6379)}/0"
+
+
+STORE_BACKENDS = ["memory", "redis", "cluster"] + (["docker"] if DOCKER else [])
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def store_url(request) -> str:
+    """Each store backend in turn: the embedded store, standalone Redis, the cluster."""
+    return {
+        "memory": lambda: "memory://",
+        "redis": lambda: request.getfixturevalue("redis_url"),
+        "cluster": lambda: request.getfixturevalue("cluster_url"),
+        "docker": lambda: request.getfixturevalue("docker_redis_url"),
+    }[request.param]()

@@ -14,21 +14,37 @@ from r3cache.store.memory import MemoryBlockStore
 __all__ = ["BackgroundBlockStore", "BlockStore", "MemoryBlockStore", "StoreStats", "open_store"]
 
 _INT_OPTIONS = {"max_bytes"}
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
-def open_store(url: str, *, layout: RoutingLayout, namespace: str, **options: Any) -> BlockStore:
+def open_store(
+    url: str, *, layout: RoutingLayout | None, namespace: str, **options: Any
+) -> BlockStore:
     """Open the block store that ``url`` names, for one layout under one namespace.
 
-    ``memory://`` is the embedded in-process store (options: ``max_bytes``).
+    ``memory://`` is the embedded in-process store (options: ``max_bytes``);
+    ``redis://``, ``rediss://`` (TLS), ``unix://`` and ``redis+cluster://h:p,h:p``
+    open a RedisBlockStore (options: ``idle_ttl``, ``lease_ttl``, ``owner``,
+    ``retries``, ``janitor``, ``pool_size``, ``socket_timeout``,
+    ``socket_connect_timeout``, ``username``, ``password``, ``ssl_*``).
     Options may also come as URL query parameters (``memory://?max_bytes=1e9``).
+    ``layout=None`` opens an existing Redis namespace with the layout it stores.
     """
     if not isinstance(namespace, str) or not namespace:
         raise ContractError("namespace must be a non-empty string tied to the model weights")
     parts = urlsplit(url)
-    merged: dict[str, Any] = dict(parse_qsl(parts.query))
-    merged.update(options)
-    for name in _INT_OPTIONS & merged.keys():
-        merged[name] = int(float(merged[name]))
     if parts.scheme == "memory":
+        if layout is None:
+            raise ContractError("memory:// needs a layout")
+        merged: dict[str, Any] = {**dict(parse_qsl(parts.query)), **options}
+        for name in _INT_OPTIONS & merged.keys():
+            merged[name] = int(float(merged[name]))
         return MemoryBlockStore(layout, namespace, **merged)
-    raise ContractError(f"unsupported store URL scheme {parts.scheme!r} in {url!r}; use memory://")
+    if parts.scheme in REDIS_SCHEMES:
+        from r3cache.store.redis import open_redis_store
+
+        return open_redis_store(url, layout=layout, namespace=namespace, **options)
+    raise ContractError(
+        f"unsupported store URL scheme {parts.scheme!r}; use memory:// or one of "
+        + ", ".join(f"{s}://" for s in REDIS_SCHEMES)
+    )

@@ -1,0 +1,78 @@
+"""The janitor: finds owners whose lease expired and drops their holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from r3cache.store.redis_scripts import RECLAIM_SCRIPT
+
+_SCAN_COUNT = 1000
+
+
+@dataclass(frozen=True)
+class JanitorReport:
+    """What one janitor pass found and did."""
+
+    live_owners: tuple[str, ...]
+    dead_owners: tuple[str, ...]
+    holds_dropped: int
+
+
+def scan_keys(store, pattern: bytes) -> list[bytes]:
+    """Every key matching ``pattern`` on every primary (SCAN, never KEYS)."""
+    found: list[bytes] = []
+    for client in store._nodes.primaries():
+        found.extend(client.scan_iter(match=pattern, count=_SCAN_COUNT))
+    return found
+
+
+def owner_liveness(store) -> dict[str, bool]:
+    """Every owner that ever opened the namespace, and whether its lease is alive."""
+    keys = store.keys
+    registry = store._client_for(keys.owners).hkeys(keys.owners)
+    owners = [o.decode() for o in registry]
+    leases = [keys.lease(o) for o in owners]
+    alive = store._per_key(leases, lambda k: ("EXISTS", k))
+    return {owner: bool(a) for owner, a in zip(owners, alive)}
+
+
+def reclaim_dead_owners(store) -> JanitorReport:
+    """Drop every hold of owners whose heartbeat expired, then forget those owners.
+
+    Blocks left with no holder get the idle TTL, so a crashed engine never pins
+    anything forever. Safe to run concurrently with live owners: it only touches
+    the dead owners' fields.
+    """
+    liveness = owner_liveness(store)
+    dead = [o for o, alive in liveness.items() if not alive]
+    dropped = 0
+    if dead:
+        refs = scan_keys(store, store.keys.refs_pattern)
+        head = [store._idle_ms, len(dead), *dead]
+
+        def argv(indices):
+            args = list(head)
+            for i in indices:
+                args += (refs[i], store.keys.block_of_refs(refs[i]))
+            return args
+
+        for _, count in store._run(RECLAIM_SCRIPT, refs, argv):
+            dropped += int(count)
+        owners_key = store.keys.owners
+        store._client_for(owners_key).hdel(owners_key, *dead)
+    live = tuple(o for o, alive in liveness.items() if alive)
+    return JanitorReport(live, tuple(dead), dropped)
+
+
+def list_namespaces(url: str) -> list[str]:
+    """Every namespace ever opened on the server(s) at ``url``."""
+    from r3cache.store.redis import _connect, redis_errors
+    from r3cache.store.redis_keys import NAMESPACES_KEY
+
+    nodes, _, _ = _connect(url, "-", {})
+    try:
+        with redis_errors("-", "listing namespaces"):
+            client = next(iter(nodes.partition([NAMESPACES_KEY])))
+            return sorted(n.decode() for n in client.smembers(NAMESPACES_KEY))
+    finally:
+        nodes.close()

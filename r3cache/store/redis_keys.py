@@ -1,0 +1,56 @@
+"""KeySchema: every Redis key r3cache writes, named in one place.
+
+``r3:namespaces``                  set of namespaces ever opened
+``r3:{ns}:meta``                   hash: layout fingerprint and fields, dtype, codec, hash algo, created_at
+``r3:{ns}:owners``                 hash: owner id -> "host pid started-at" for every owner that opened it
+``r3:{ns}:lease:{owner}``          string with a TTL: the owner's heartbeat
+``r3:{ns}:b:{<block hash>}``       string: one encoded block (codec header + lz4 payload)
+``r3:{ns}:r:{<block hash>}``       hash: owner -> hold count; absent when nobody holds the block
+
+The block hash sits in braces, a Redis Cluster hash tag, so a block and its
+reference counts share one slot and one Lua call can change both atomically.
+"""
+
+from __future__ import annotations
+
+import re
+
+from r3cache.errors import ContractError
+
+NAMESPACES_KEY = b"r3:namespaces"
+_NAME = re.compile(r"^[A-Za-z0-9._@+/=-]{1,200}$")
+
+
+def check_name(value: str, what: str) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ContractError(
+            f"{what} {value!r} must be 1-200 characters of letters, digits and ._@+/=-"
+        )
+    return value
+
+
+class KeySchema:
+    """Own the names of one namespace's keys."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = check_name(namespace, "namespace")
+        base = f"r3:{namespace}:"
+        self._base = base.encode()
+        self.meta = (base + "meta").encode()
+        self.owners = (base + "owners").encode()
+        self.refs_pattern = (base + "r:*").encode()
+        self.blocks_pattern = (base + "b:*").encode()
+        self._block = (base + "b:{").encode()
+        self._refs = (base + "r:{").encode()
+
+    def block(self, key: str) -> bytes:
+        return self._block + key.encode() + b"}"
+
+    def refs(self, key: str) -> bytes:
+        return self._refs + key.encode() + b"}"
+
+    def block_of_refs(self, refs_key: bytes) -> bytes:
+        return self._block + refs_key[len(self._refs):]
+
+    def lease(self, owner: str) -> bytes:
+        return self._base + b"lease:" + owner.encode()

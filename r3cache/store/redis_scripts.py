@@ -1,0 +1,123 @@
+"""The Lua scripts behind the Redis store, and how they are called.
+
+Every script takes its keys through ARGV and declares ``allow-cross-slot-keys``:
+the store sends one call per cluster node per batch, covering every key that node
+serves (a script may touch any slot its node owns). Each script first reads every
+key it will write, so a key the node does not serve (a stale slot map after a
+failover) fails the call before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+_SHEBANG = "#!lua flags=allow-cross-slot-keys\n"
+
+# After a key's holds changed: pinned blocks lose their TTL (so volatile-* eviction
+# cannot take them); a block nobody holds gets the idle TTL, offset by its rank so
+# that blocks released together expire (and are evicted) in release order.
+_SETTLE = """
+local function settle(block, refs, idle_ms, rank)
+  if redis.call('EXISTS', refs) == 1 then
+    redis.call('PERSIST', block)
+  else
+    redis.call('PEXPIRE', block, idle_ms + rank)
+  end
+end
+"""
+
+# ARGV: owner, idle_ms, then per key 6 values:
+#   block key, refs key, retain count, data ('' = no put), release count, rank.
+# Per key, in order: retain, put (first writer wins), release (never below zero).
+# Returns one status per key: 0 no put, 1 written, 2 same bytes there, 3 other bytes there.
+APPLY = _SHEBANG + _SETTLE + """
+local owner, idle_ms = ARGV[1], tonumber(ARGV[2])
+for i = 3, #ARGV, 6 do
+  redis.call('EXISTS', ARGV[i], ARGV[i + 1])
+end
+local out = {}
+for i = 3, #ARGV, 6 do
+  local block, refs = ARGV[i], ARGV[i + 1]
+  local retain, data = tonumber(ARGV[i + 2]), ARGV[i + 3]
+  local release, rank = tonumber(ARGV[i + 4]), tonumber(ARGV[i + 5])
+  if retain > 0 then redis.call('HINCRBY', refs, owner, retain) end
+  local status = 0
+  if data ~= '' then
+    local old = redis.call('GET', block)
+    if not old then
+      redis.call('SET', block, data)
+      status = 1
+    elseif old == data then
+      status = 2
+    else
+      status = 3
+    end
+  end
+  if release > 0 and tonumber(redis.call('HINCRBY', refs, owner, -release)) <= 0 then
+    redis.call('HDEL', refs, owner)
+  end
+  if status > 0 or release > 0 or retain > 0 then settle(block, refs, idle_ms, rank) end
+  out[#out + 1] = status
+end
+return out
+"""
+
+# ARGV: block keys. Returns their values (false where missing).
+READ = "#!lua flags=allow-cross-slot-keys,no-writes\n" + """
+local out = {}
+for i = 1, #ARGV do
+  out[i] = redis.call('GET', ARGV[i])
+end
+return out
+"""
+
+# ARGV: idle_ms, number of owners n, n owners, then pairs (refs key, block key).
+# Drops every hold of those owners; returns how many holds were dropped.
+RECLAIM = _SHEBANG + _SETTLE + """
+local idle_ms, n = tonumber(ARGV[1]), tonumber(ARGV[2])
+for i = 3 + n, #ARGV, 2 do
+  redis.call('EXISTS', ARGV[i], ARGV[i + 1])
+end
+local dropped = 0
+for i = 3 + n, #ARGV, 2 do
+  local refs, block = ARGV[i], ARGV[i + 1]
+  local changed = 0
+  for j = 3, 2 + n do
+    changed = changed + redis.call('HDEL', refs, ARGV[j])
+  end
+  if changed > 0 then
+    dropped = dropped + changed
+    settle(block, refs, idle_ms, 0)
+  end
+end
+return dropped
+"""
+
+# ARGV: meta key, then field/value pairs.
+# Creates the namespace metadata unless it exists; returns the stored fields.
+OPEN_NAMESPACE = _SHEBANG + """
+local meta = ARGV[1]
+if redis.call('EXISTS', meta) == 0 then
+  for i = 2, #ARGV, 2 do
+    redis.call('HSET', meta, ARGV[i], ARGV[i + 1])
+  end
+end
+return redis.call('HGETALL', meta)
+"""
+
+
+class Script:
+    """Own one script's source and SHA-1, for EVALSHA with a SCRIPT LOAD fallback."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def command(self, *args) -> tuple:
+        return ("EVALSHA", self.sha, 0, *args)
+
+
+APPLY_SCRIPT = Script(APPLY)
+READ_SCRIPT = Script(READ)
+RECLAIM_SCRIPT = Script(RECLAIM)
+OPEN_NAMESPACE_SCRIPT = Script(OPEN_NAMESPACE)

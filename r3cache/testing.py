@@ -1,0 +1,221 @@
+"""Local ``redis-server`` processes and a 6-node Redis Cluster for tests and benchmarks.
+
+Everything binds to 127.0.0.1 on free ports and lives in a temporary directory that
+``stop()`` removes. Usable as context managers, or from the shell::
+
+    python -m r3cache.testing cluster   # prints the URL, runs until Ctrl-C
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A loopback port that is free, and whose cluster bus port (+10000) is free too."""
+    for _ in range(1000):
+        port = random.randint(20000, 54000)
+        if _port_free(port) and _port_free(port + 10000):
+            return port
+    raise RuntimeError("no free loopback port pair found")
+
+
+class RedisServer:
+    """Own one redis-server process on a free loopback port, with its own directory."""
+
+    def __init__(self, *args: str, port: int | None = None, directory: Path | None = None,
+                 ready: bool = True):
+        self.port = port or free_port()
+        self._check_ready = ready  # False: a TLS-only server cannot be pinged in plain text
+        self._own_dir = directory is None
+        self.dir = Path(directory or tempfile.mkdtemp(prefix="r3cache-redis-"))
+        self.args = list(args)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        command = [
+            shutil.which("redis-server") or "redis-server",
+            "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            "--save", "", "--appendonly", "no", "--logfile", str(self.dir / "redis.log"),
+            *self.args,
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        if self._check_ready:
+            self.wait_ready(timeout)
+        else:
+            self._wait_listening(timeout)
+        return self
+
+    def _wait_listening(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while _port_free(self.port):
+            if time.monotonic() > deadline or (self.process and self.process.poll() is not None):
+                raise RuntimeError(f"redis-server on {self.port} not listening: "
+                                   f"{self.log_tail()}")
+            time.sleep(0.02)
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.client(socket_timeout=1).ping():
+                    return
+            except redis.exceptions.AuthenticationError:
+                return  # it answers; it wants credentials
+            except redis.exceptions.ResponseError as exc:
+                if "NOAUTH" in str(exc):
+                    return
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                pass
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"redis-server on {self.port} exited: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on {self.port} not ready: {self.log_tail()}")
+            time.sleep(0.02)
+
+    def log_tail(self) -> str:
+        log = self.dir / "redis.log"
+        return log.read_text()[-2000:] if log.exists() else ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Stop the process with ``sig`` (SIGKILL by default) and wait for it to go."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RedisClusterProcesses:
+    """Own six redis-server processes joined as 3 primaries with one replica each."""
+
+    def __init__(self, *args: str, node_timeout_ms: int = 2000):
+        self.dir = Path(tempfile.mkdtemp(prefix="r3cache-cluster-"))
+        self.args = list(args)
+        self.node_timeout_ms = node_timeout_ms
+        self.nodes: list[RedisServer] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3])
+        return f"redis+cluster://{hosts}"
+
+    def start(self, timeout: float = 30.0) -> RedisClusterProcesses:
+        try:
+            for i in range(6):
+                node_dir = self.dir / f"node{i}"
+                node_dir.mkdir()
+                self.nodes.append(RedisServer(
+                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", str(self.node_timeout_ms), *self.args,
+                    directory=node_dir,
+                ).start())
+            addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            subprocess.run(
+                ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "1",
+                 "--cluster-yes"],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout,
+            )
+            self.wait_ok(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Wait until every live node reports cluster_state:ok and the replicas are synced."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                live = [n for n in self.nodes if n.process is not None]
+                if all(n.client(socket_timeout=1).cluster("info")["cluster_state"] == "ok"
+                       for n in live) and self._replicas_synced(live):
+                    return
+            except redis.exceptions.RedisError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    @staticmethod
+    def _replicas_synced(live: list[RedisServer]) -> bool:
+        for node in live:
+            info = node.client(socket_timeout=1).info("replication")
+            if info["role"] == "slave" and info.get("master_link_status") != "up":
+                return False
+        return True
+
+    def primaries(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.process is not None
+                and n.client().info("replication")["role"] == "master"]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.kill(signal.SIGTERM)
+        self.nodes = []
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisClusterProcesses:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str]) -> int:
+    kind = argv[0] if argv else "cluster"
+    runner = RedisClusterProcesses() if kind == "cluster" else RedisServer()
+    with runner:
+        print(runner.url, flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,301 @@
+"""Redis-only behaviour of the store, against real redis-server processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from r3cache import RoutingLayout, open_store
+from r3cache.errors import (
+    ContractError,
+    CorruptBlockError,
+    LayoutMismatchError,
+    StoreAccessError,
+    StoreUnavailableError,
+)
+from r3cache.store.janitor import reclaim_dead_owners
+from r3cache.store.redis_keys import NAMESPACES_KEY
+from r3cache.testing import RedisServer
+
+LAYOUT = RoutingLayout(num_layers=3, topk=2, num_experts=16, block_size=4)
+
+
+def blk(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 16, LAYOUT.block_shape).astype(np.uint8)
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def url(request) -> str:
+    return request.getfixturevalue("redis_url" if request.param == "redis" else "cluster_url")
+
+
+@pytest.fixture
+def store(url, namespace):
+    s = open_store(url, layout=LAYOUT, namespace=namespace)
+    yield s
+    s.close()
+
+
+def evalsha_calls(store) -> int:
+    total = 0
+    for client in store._nodes.primaries():
+        stats = client.info("commandstats")
+        total += stats.get("cmdstat_evalsha", {}).get("calls", 0)
+    return total
+
+
+def test_options_come_from_the_url_query_or_keywords(redis_url, namespace):
+    url = f"{redis_url}?idle_ttl=5&owner=engine-a&pool_size=4&socket_timeout=2"
+    s = open_store(url, layout=LAYOUT, namespace=namespace, lease_ttl=7)
+    try:
+        assert s.owner == "engine-a" and s.options.idle_ttl == 5 and s.options.lease_ttl == 7
+        pool = s._nodes.client.connection_pool
+        assert pool.max_connections == 4 and pool.connection_kwargs["socket_timeout"] == 2
+        s.put({"k": blk(1)})
+        assert 0 < s._client_for(s.keys.block("k")).pttl(s.keys.block("k")) <= 5000
+    finally:
+        s.close()
+    with pytest.raises(ContractError, match="unknown Redis store option .idle_tl."):
+        open_store(f"{redis_url}?idle_tl=5", layout=LAYOUT, namespace=namespace)
+
+
+def test_namespace_metadata_is_written_once_and_guards_the_layout(url, namespace):
+    s = open_store(url, layout=LAYOUT, namespace=namespace)
+    client = s._client_for(s.keys.meta)
+    meta = {k.decode(): v.decode() for k, v in client.hgetall(s.keys.meta).items()}
+    assert meta["fingerprint"] == LAYOUT.fingerprint and meta["codec"] == "lz4"
+    assert meta["dtype"] == "uint8" and meta["hash_algo"] == "sha256" and meta["created_at"]
+    assert {"num_layers": "3", "topk": "2", "num_experts": "16", "block_size": "4"}.items() \
+        <= meta.items()
+    assert s._client_for(NAMESPACES_KEY).sismember(NAMESPACES_KEY, namespace)
+    s.close()
+    with pytest.raises(LayoutMismatchError, match="new namespace"):
+        open_store(url, layout=RoutingLayout(3, 2, 17, 4), namespace=namespace)
+    again = open_store(url, layout=None, namespace=namespace)  # the stored layout
+    assert again.layout == LAYOUT
+    again.close()
+    with pytest.raises(ContractError, match="no namespace"):
+        open_store(url, layout=None, namespace=namespace + "-absent")
+
+
+def test_a_batch_is_one_script_call_per_node(store):
+    blocks = {f"k{i}": blk(i) for i in range(200)}
+    nodes = len(store._nodes.primaries())
+    before = evalsha_calls(store)
+    store.put(blocks, retain_keys=list(blocks))
+    after_put = evalsha_calls(store)
+    rows = store.get_concatenated(list(blocks))
+    after_get = evalsha_calls(store)
+    assert after_put - before == nodes
+    assert after_get - after_put == nodes
+    np.testing.assert_array_equal(rows, np.concatenate(list(blocks.values())))
+    store.put({}, release_keys=list(blocks))
+
+
+def test_script_cache_loss_is_recovered_transparently(store):
+    store.put({"a": blk(1)}, retain_keys=["a"])
+    for client in store._nodes.primaries():
+        client.script_flush()
+    store.put({"b": blk(2)}, release_keys=["a"])
+    np.testing.assert_array_equal(store.get_concatenated(["a", "b"]),
+                                  np.concatenate([blk(1), blk(2)]))
+    assert store.refcount("a") == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [(b"garbage that is not a block", "foreign value"), (None, "truncated")],
+)
+def test_corrupted_values_raise_corrupt_block_error_naming_the_key(store, value, reason):
+    store.put({"k": blk(1)})
+    key = store.keys.block("k")
+    client = store._client_for(key)
+    client.set(key, value if value is not None else client.get(key)[:12])
+    with pytest.raises(CorruptBlockError, match=reason) as info:
+        store.get_concatenated(["k"])
+    assert info.value.key == "k"
+
+
+def test_each_writer_reads_its_own_rows_when_replicas_disagree(url, namespace):
+    a = open_store(url, layout=LAYOUT, namespace=namespace, owner="replica-a")
+    b = open_store(url, layout=LAYOUT, namespace=namespace, owner="replica-b")
+    try:
+        a.put({"k": blk(1)}, retain_keys=["k"])
+        b.put({"k": blk(2)}, retain_keys=["k"])
+        assert b.stats().conflicts == 1 and a.stats().conflicts == 0
+        np.testing.assert_array_equal(a.get_concatenated(["k"]), blk(1))
+        np.testing.assert_array_equal(b.get_concatenated(["k"]), blk(2))
+        fresh = open_store(url, layout=LAYOUT, namespace=namespace, lease=False)
+        np.testing.assert_array_equal(fresh.get_concatenated(["k"]), blk(1))  # first writer
+        fresh.close()
+        assert a.refcount("k") == 1 and b.refcount("k") == 1
+    finally:
+        a.put({}, release_keys=["k"])
+        b.put({}, release_keys=["k"])
+        a.close()
+        b.close()
+
+
+def test_keys_released_together_expire_in_release_order(store):
+    keys = ["head", "mid", "tail"]
+    store.put({k: blk(i) for i, k in enumerate(keys)}, retain_keys=keys)
+    store.put({}, release_keys=list(reversed(keys)))
+    ttl = {k: store._client_for(store.keys.block(k)).pttl(store.keys.block(k)) for k in keys}
+    assert 0 < ttl["tail"] < ttl["mid"] < ttl["head"]
+
+
+CRASHING_OWNER = """
+import os, sys
+import numpy as np
+from r3cache import RoutingLayout, open_store
+layout = RoutingLayout(3, 2, 16, 4)
+store = open_store(sys.argv[1], layout=layout, namespace=sys.argv[2], owner="crashed",
+                   lease_ttl=1)
+rows = np.zeros(layout.block_shape, np.uint8)
+store.put({"k1": rows, "k2": rows}, retain_keys=["k1", "k2", "k2"])
+print("held", flush=True)
+os._exit(0)  # a crash: no release, no close
+"""
+
+
+def test_a_crashed_owners_holds_are_reclaimed_after_its_lease(url, namespace):
+    survivor = open_store(url, layout=LAYOUT, namespace=namespace, owner="survivor")
+    try:
+        survivor.put({}, retain_keys=["k2"])
+        out = subprocess.run([sys.executable, "-c", CRASHING_OWNER, url, namespace],
+                             capture_output=True, text=True, timeout=60, check=True)
+        assert out.stdout.strip() == "held"
+        report = reclaim_dead_owners(survivor)
+        assert "crashed" in report.live_owners and report.holds_dropped == 0
+        time.sleep(1.3)
+        report = reclaim_dead_owners(survivor)
+        assert report.dead_owners == ("crashed",) and report.holds_dropped == 2
+        ttl = {k: survivor._client_for(survivor.keys.block(k)).pttl(survivor.keys.block(k))
+               for k in ("k1", "k2")}
+        assert ttl["k1"] > 0  # nobody holds it any more: it can expire
+        assert ttl["k2"] == -1 and survivor.refcount("k2") == 1  # the survivor's hold stays
+        assert reclaim_dead_owners(survivor).dead_owners == ()  # forgotten once reclaimed
+    finally:
+        survivor.put({}, release_keys=["k2"])
+        survivor.close()
+
+
+def test_the_janitor_runs_when_a_store_opens_and_as_r3cache_gc(url, namespace):
+    subprocess.run([sys.executable, "-c", CRASHING_OWNER, url, namespace],
+                   capture_output=True, timeout=60, check=True)
+    time.sleep(1.3)
+    gc = subprocess.run([sys.executable, "-m", "r3cache.cli", "gc", url, "--namespace",
+                         namespace], capture_output=True, text=True, timeout=60)
+    assert gc.returncode == 0, gc.stderr
+    assert f"{namespace}: 0 live owner(s), 1 dead owner(s) reclaimed, 2 hold(s) dropped" \
+        in gc.stdout
+    subprocess.run([sys.executable, "-c", CRASHING_OWNER, url, namespace],
+                   capture_output=True, timeout=60, check=True)
+    time.sleep(1.3)
+    store = open_store(url, layout=LAYOUT, namespace=namespace)  # runs the janitor
+    try:
+        refs = store.keys.refs("k2")
+        assert store._client_for(refs).hget(refs, "crashed") is None
+    finally:
+        store.close()
+
+
+def test_credentials_are_checked_and_never_shown(namespace):
+    with RedisServer("--requirepass", "s3cret-pw") as server:
+        url = f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"
+        s = open_store(url, layout=LAYOUT, namespace=namespace)
+        s.put({"k": blk(1)})
+        assert "s3cret" not in repr(s)
+        s.close()
+        with pytest.raises(StoreAccessError) as info:
+            open_store(f"redis://:wrong@127.0.0.1:{server.port}/0", layout=LAYOUT,
+                       namespace=namespace)
+        assert "wrong" not in str(info.value)
+        server.client(password="s3cret-pw").acl_setuser(
+            "engine", enabled=True, passwords=["+engine-pw"], keys=["r3:*"],
+            commands=["+@all"])
+        s = open_store(f"redis://engine:engine-pw@127.0.0.1:{server.port}/0", layout=LAYOUT,
+                       namespace=namespace)
+        np.testing.assert_array_equal(s.get_concatenated(["k"]), blk(1))
+        s.close()
+
+
+def test_unix_socket_urls(tmp_path, namespace):
+    sock = tmp_path / "redis.sock"
+    with RedisServer("--unixsocket", str(sock), "--unixsocketperm", "700"):
+        s = open_store(f"unix://{sock}?db=0&idle_ttl=9", layout=LAYOUT, namespace=namespace)
+        s.put({"k": blk(3)})
+        np.testing.assert_array_equal(s.get_concatenated(["k"]), blk(3))
+        assert s.options.idle_ttl == 9
+        s.close()
+
+
+def _make_tls_files(directory) -> dict[str, str]:
+    files = {name: str(directory / name) for name in ("ca.key", "ca.crt", "server.key",
+                                                      "server.csr", "server.crt")}
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+            "/CN=r3cache-test-ca", "-keyout", files["ca.key"], "-out", files["ca.crt"])
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout",
+            files["server.key"], "-out", files["server.csr"])
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", files["server.csr"], "-CA", files["ca.crt"], "-CAkey",
+            files["ca.key"], "-CAcreateserial", "-days", "2", "-out", files["server.crt"],
+            "-extfile", str(ext))
+    return files
+
+
+def test_tls_urls_with_a_self_signed_ca(tmp_path, namespace):
+    files = _make_tls_files(tmp_path)
+    from r3cache.testing import free_port
+
+    port = free_port()
+    with RedisServer("--port", "0", "--tls-port", str(port), "--tls-cert-file",
+                     files["server.crt"], "--tls-key-file", files["server.key"],
+                     "--tls-ca-cert-file", files["ca.crt"], "--tls-auth-clients", "no",
+                     port=port, ready=False):
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={files['ca.crt']}"
+        s = open_store(url, layout=LAYOUT, namespace=namespace)
+        s.put({"k": blk(5)}, retain_keys=["k"])
+        np.testing.assert_array_equal(s.get_concatenated(["k"]), blk(5))
+        s.put({}, release_keys=["k"])
+        s.close()
+        with pytest.raises(StoreUnavailableError):
+            open_store(f"redis://127.0.0.1:{port}/0?socket_timeout=1", layout=LAYOUT,
+                       namespace=namespace, retries=0)
+
+
+def test_an_unreachable_server_is_a_typed_error(namespace):
+    from r3cache.testing import free_port
+
+    with pytest.raises(StoreUnavailableError, match="unavailable"):
+        open_store(f"redis://127.0.0.1:{free_port()}/0", layout=LAYOUT, namespace=namespace,
+                   retries=0)
+    with pytest.raises(StoreUnavailableError):
+        open_store(f"redis+cluster://127.0.0.1:{free_port()}", layout=LAYOUT,
+                   namespace=namespace, retries=0)
+
+
+def test_bad_namespaces_and_owners_are_rejected(redis_url):
+    for bad in ("", "has space", "brace{x}", "star*"):
+        with pytest.raises(ContractError):
+            open_store(redis_url, layout=LAYOUT, namespace=bad)
+    with pytest.raises(ContractError, match="owner"):
+        open_store(redis_url, layout=LAYOUT, namespace="ok", owner="a b")
+
+
+def test_a_handle_without_a_lease_cannot_hold_blocks(redis_url, namespace):
+    s = open_store(redis_url, layout=LAYOUT, namespace=namespace, lease=False)
+    with pytest.raises(ContractError, match="lease=False"):
+        s.put({}, retain_keys=["k"])
+    s.close()
+    assert redis.Redis.from_url(redis_url).hlen(f"r3:{namespace}:owners") == 0

@@ -1,0 +1,118 @@
+"""One contract every BlockStore backend meets, checked against raw access to its data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3cache import RoutingLayout, codec, open_store
+from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreClosedError
+from r3cache.store.memory import MemoryBlockStore
+
+LAYOUT = RoutingLayout(num_layers=3, topk=2, num_experts=16, block_size=4)
+IDLE_TTL = 300.0
+
+
+def blk(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 16, LAYOUT.block_shape).astype(np.uint8)
+
+
+class Raw:
+    """Read a store's data without going through its API."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def rows(self, key: str) -> np.ndarray | None:
+        if isinstance(self.store, MemoryBlockStore):
+            return self.store._blocks.get(key)
+        value = self._client(self.store.keys.block(key)).get(self.store.keys.block(key))
+        return None if value is None else codec.decode_rows(value, LAYOUT, key)
+
+    def holds(self, key: str) -> int:
+        if isinstance(self.store, MemoryBlockStore):
+            return self.store._refs.get(key, 0)
+        refs = self.store.keys.refs(key)
+        return int(self._client(refs).hget(refs, self.store.owner) or 0)
+
+    def evictable(self, key: str) -> bool:
+        """Unpinned: LRU-evictable in memory, carries the idle TTL in Redis."""
+        if isinstance(self.store, MemoryBlockStore):
+            return key in self.store._idle
+        ttl = self._client(self.store.keys.block(key)).pttl(self.store.keys.block(key))
+        return 0 < ttl <= IDLE_TTL * 1000 + 1000
+
+    def ttl_ms(self, key: str) -> int:
+        return self._client(self.store.keys.block(key)).pttl(self.store.keys.block(key))
+
+    def _client(self, key: bytes):
+        return self.store._client_for(key)
+
+
+@pytest.fixture
+def store(store_url, namespace):
+    s = open_store(store_url, layout=LAYOUT, namespace=namespace, idle_ttl=IDLE_TTL) \
+        if not store_url.startswith("memory") else open_store(store_url, layout=LAYOUT,
+                                                              namespace=namespace)
+    yield s
+    s.close()
+
+
+class TestStoreContract:
+    def test_put_then_get_round_trips_and_matches_raw_data(self, store):
+        store.put({"k1": blk(1), "k2": blk(2)})
+        rows = store.get_concatenated(["k2", "k1", "k2"])
+        np.testing.assert_array_equal(rows, np.concatenate([blk(2), blk(1), blk(2)]))
+        np.testing.assert_array_equal(Raw(store).rows("k1"), blk(1))
+        assert store.get_concatenated([]).shape == (0, 3, 2)
+
+    def test_a_missing_block_is_a_typed_error_naming_namespace_and_keys(self, store):
+        store.put({"present": blk(1)})
+        with pytest.raises(BlockNotFoundError) as info:
+            store.get_concatenated(["present", "absent-1", "absent-2"])
+        assert info.value.keys == ("absent-1", "absent-2")
+        assert store.namespace in str(info.value) and "absent-1" in str(info.value)
+        assert "likely cause" in str(info.value)
+
+    def test_first_writer_wins_and_conflicts_are_counted(self, store):
+        store.put({"k": blk(1)})
+        store.put({"k": blk(1)})
+        store.put({"k": blk(2)})
+        np.testing.assert_array_equal(Raw(store).rows("k"), blk(1))
+        stats = store.stats()
+        assert (stats.blocks_written, stats.duplicate_puts, stats.conflicts) == (1, 1, 1)
+
+    def test_retained_blocks_are_pinned_until_the_last_release(self, store):
+        raw = Raw(store)
+        store.put({}, retain_keys=["k", "k"])  # pinned before it is written
+        store.put({"k": blk(3)})
+        assert raw.holds("k") == 2 and not raw.evictable("k")
+        store.put({}, release_keys=["k"])
+        assert raw.holds("k") == 1 and not raw.evictable("k")
+        store.put({}, release_keys=["k", "k"])  # one release too many: clamped at zero
+        assert raw.holds("k") == 0 and raw.evictable("k")
+        store.put({}, retain_keys=["k"])
+        assert raw.holds("k") == 1 and not raw.evictable("k")
+        assert store.stats().referenced_keys == 1
+
+    def test_unheld_blocks_are_evictable_as_soon_as_they_are_written(self, store):
+        store.put({"k": blk(4)})
+        assert Raw(store).evictable("k") and Raw(store).holds("k") == 0
+
+    def test_blocks_of_another_layout_are_rejected_and_nothing_is_written(self, store):
+        with pytest.raises(LayoutMismatchError):
+            store.put({"ok": blk(1), "bad": np.zeros((4, 3, 2), np.int32)})
+        assert Raw(store).rows("ok") is None
+
+    def test_stats_count_blocks_pins_and_bytes(self, store):
+        store.put({"a": blk(1), "b": blk(2)}, retain_keys=["a"])
+        stats = store.stats()
+        assert stats.blocks == 2 and stats.pinned_blocks == 1 and stats.referenced_keys == 1
+        assert stats.raw_bytes_used == 2 * LAYOUT.block_nbytes and stats.bytes_used > 0
+
+    def test_a_closed_store_refuses_calls(self, store):
+        store.close()
+        with pytest.raises(StoreClosedError):
+            store.put({"k": blk(1)})
+        with pytest.raises(StoreClosedError):
+            store.get_concatenated(["k"])
