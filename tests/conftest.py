@@ -1,14 +1,18 @@
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from r3cache import RoutingLayout, StepBatch, StepMetadata, WorkerConnector
 from r3cache.hashing import block_hashes
 from r3cache.sim import oracle_rows
 from r3cache.store.memory import MemoryBlockStore
+from r3cache.testing import RedisClusterProcesses, RedisServer
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
@@ -86,13 +90,6 @@ def async_harness(layout) -> Harness:
 
 # -- real Redis servers ---------------------------------------------------------------
 
-import os  # noqa: E402
-import uuid  # noqa: E402
-
-import redis  # noqa: E402
-
-from r3cache.testing import RedisClusterProcesses, RedisServer  # noqa: E402
-
 
 def _machine_redis() -> str | None:
     url = os.environ.get("R3CACHE_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -105,13 +102,22 @@ def _machine_redis() -> str | None:
 
 @pytest.fixture(scope="session")
 def redis_url():
-    """A standalone Redis: the machine's (127.0.0.1:6379), or a spawned redis-server."""
+    """A standalone Redis: the machine's (127.0.0.1:6379), or a spawned redis-server.
+
+    Every test namespace starts with ``test-``; their keys are deleted at the end.
+    """
     url = _machine_redis()
-    if url is not None:
-        yield url
+    if url is None:
+        with RedisServer() as server:
+            yield server.url
         return
-    with RedisServer() as server:
-        yield server.url
+    yield url
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter(match="r3:test-*", count=1000):
+        client.delete(key)
+    for name in client.smembers("r3:namespaces"):
+        if name.startswith(b"test-"):
+            client.srem("r3:namespaces", name)
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +148,10 @@ DOCKER = _docker_engine()
 @pytest.fixture(scope="session")
 def docker_redis_url():
     """A Redis in a testcontainers container; only requested where a Docker engine runs."""
-    from testcontainers.redis import RedisContainer
+    try:
+        from testcontainers.community.redis import RedisContainer
+    except ImportError:
+        from testcontainers.redis import RedisContainer
 
     with RedisContainer("redis:7") as container:
         host = container.get_container_host_ip()

@@ -299,3 +299,23 @@ def test_a_handle_without_a_lease_cannot_hold_blocks(redis_url, namespace):
         s.put({}, retain_keys=["k"])
     s.close()
     assert redis.Redis.from_url(redis_url).hlen(f"r3:{namespace}:owners") == 0
+
+
+def test_close_drops_every_hold_and_leaves_no_owner_behind(url, namespace):
+    s = open_store(url, layout=LAYOUT, namespace=namespace, owner="tidy")
+    s.put({"a": blk(1), "b": blk(2)}, retain_keys=["a", "a", "b"])
+    s.put({}, release_keys=["a"])
+    client = s._client_for(s.keys.owners)
+    assert client.hexists(s.keys.owners, "tidy")
+    s.close()
+    probe = open_store(url, layout=LAYOUT, namespace=namespace, lease=False)
+    try:
+        for key in ("a", "b"):
+            assert probe._client_for(probe.keys.refs(key)).hget(probe.keys.refs(key), "tidy") \
+                is None
+            assert probe._client_for(probe.keys.block(key)).pttl(probe.keys.block(key)) > 0
+        assert not client.hexists(probe.keys.owners, "tidy")
+        lease = probe.keys.lease("tidy")
+        assert not probe._client_for(lease).exists(lease)
+    finally:
+        probe.close()

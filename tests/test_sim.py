@@ -33,7 +33,9 @@ def test_oracle_rows_depend_on_the_whole_prefix_and_hold_distinct_experts():
     assert a.dtype == np.uint8 and a.max() < 8
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The store URL is a plain string per backend, safe to share between examples.
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 2**31),
     block_size=st.sampled_from([1, 4, 16]),
@@ -47,8 +49,8 @@ def test_oracle_rows_depend_on_the_whole_prefix_and_hold_distinct_experts():
     reset=st.booleans(),
 )
 def test_random_workloads_get_exactly_their_oracle_rows(
-    seed, block_size, spec, reject_prob, async_depth, budget, kv_slack, max_num_seqs,
-    prefix_caching, reset,
+    store_url, seed, block_size, spec, reject_prob, async_depth, budget, kv_slack,
+    max_num_seqs, prefix_caching, reset,
 ):
     layout = RoutingLayout(3, 2, 300, block_size)
     workload = random_workload(seed, num_requests=10, block_size=block_size)
@@ -59,7 +61,9 @@ def test_random_workloads_get_exactly_their_oracle_rows(
         reject_prob=reject_prob, async_depth=async_depth, prefix_caching=prefix_caching,
         reset_prefix_cache_when_idle=reset, seed=seed,
     )
-    report = simulate(workload, layout, config)
+    options = {} if store_url.startswith("memory") else {"idle_ttl": 120}
+    report = simulate(workload, layout, config, store_url=store_url,
+                      namespace=f"test-sim-{seed}-{block_size}", **options)
     assert report.failures == []
     assert report.rows_verified == sum(len(r.tokens) - 1 - r.prompt_start for r in workload)
 

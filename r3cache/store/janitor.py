@@ -47,21 +47,26 @@ def reclaim_dead_owners(store) -> JanitorReport:
     dead = [o for o, alive in liveness.items() if not alive]
     dropped = 0
     if dead:
-        refs = scan_keys(store, store.keys.refs_pattern)
-        head = [store._idle_ms, len(dead), *dead]
-
-        def argv(indices):
-            args = list(head)
-            for i in indices:
-                args += (refs[i], store.keys.block_of_refs(refs[i]))
-            return args
-
-        for _, count in store._run(RECLAIM_SCRIPT, refs, argv):
-            dropped += int(count)
+        dropped = drop_holds(store, dead, scan_keys(store, store.keys.refs_pattern))
         owners_key = store.keys.owners
         store._client_for(owners_key).hdel(owners_key, *dead)
     live = tuple(o for o, alive in liveness.items() if alive)
     return JanitorReport(live, tuple(dead), dropped)
+
+
+def drop_holds(store, owners: list[str], refs: list[bytes]) -> int:
+    """Remove ``owners``' holds from the reference hashes ``refs``; settle the blocks' TTLs."""
+    if not refs:
+        return 0
+    head = [store._idle_ms, len(owners), *owners]
+
+    def argv(indices):
+        args = list(head)
+        for i in indices:
+            args += (refs[i], store.keys.block_of_refs(refs[i]))
+        return args
+
+    return sum(int(count) for _, count in store._run(RECLAIM_SCRIPT, refs, argv))
 
 
 def list_namespaces(url: str) -> list[str]:

@@ -8,7 +8,7 @@ import secrets
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -130,6 +130,8 @@ class RedisBlockStore:
         self._own_rows: OrderedDict[str, np.ndarray] = OrderedDict()
         self._own_lock = threading.Lock()
         self._counts = {"written": 0, "duplicates": 0, "conflicts": 0}
+        # What this owner holds, as it asked: close() drops exactly these holds.
+        self._holds: Counter[str] = Counter()
         self._closed = False
         with redis_errors(namespace, "opening the namespace"):
             # Loaded up front so the first batch needs no NOSCRIPT round trip per node.
@@ -166,6 +168,7 @@ class RedisBlockStore:
             op[3] = rank
         if not ops:
             return
+        self._track_holds(retain_keys, release_keys)
         names = list(ops)
         block_keys = [self.keys.block(k) for k in names]
         head = (self.owner, self._idle_ms)
@@ -181,6 +184,15 @@ class RedisBlockStore:
             for indices, statuses in self._run(APPLY_SCRIPT, block_keys, argv):
                 for i, status in zip(indices, statuses):
                     self._count(names[i], status, objects)
+
+    def _track_holds(self, retain_keys: Collection[str], release_keys: Sequence[str]) -> None:
+        holds = self._holds
+        holds.update(retain_keys)
+        for key in release_keys:
+            if holds[key] > 1:
+                holds[key] -= 1
+            else:
+                holds.pop(key, None)
 
     def _count(self, key: str, status: int, objects: Mapping[str, np.ndarray]) -> None:
         if status == 1:
@@ -252,13 +264,22 @@ class RedisBlockStore:
         return int(value or 0)
 
     def close(self) -> None:
-        """Stop the heartbeat and drop the lease; holds left behind are the janitor's."""
+        """Drop every hold this owner still has, then its lease and registry entry.
+
+        Holds are dropped whole (not decremented), so a retain that a retry applied
+        twice cannot outlive the owner. If Redis is unreachable, the lease expires
+        and the janitor reclaims the holds instead.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             if self._lease is not None:
                 with redis_errors(self.namespace, "closing"):
+                    from r3cache.store.janitor import drop_holds
+
+                    drop_holds(self, [self.owner], [self.keys.refs(k) for k in self._holds])
+                    self._holds.clear()
                     self._lease.stop()
         finally:
             self._nodes.close()
@@ -385,7 +406,9 @@ class _Lease:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self._store._client_for(self._key).delete(self._key)
+        store = self._store
+        store._client_for(self._key).delete(self._key)
+        store._client_for(store.keys.owners).hdel(store.keys.owners, store.owner)
 
 
 def _split_options(query: dict[str, str], options: dict[str, Any]):
