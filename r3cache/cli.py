@@ -108,7 +108,7 @@ def _gc_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_gc(args: argparse.Namespace) -> int:
     from r3cache.store.janitor import list_namespaces, reclaim_dead_owners
-    from r3cache.store.redis import open_redis_store
+    from r3cache.store.redis_connect import open_redis_store
 
     namespaces = args.namespace or list_namespaces(args.url)
     if not namespaces:

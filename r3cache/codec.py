@@ -17,6 +17,7 @@ caught: in the payload by lz4 or the checksum, in the header by the checksum.
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 
@@ -35,45 +36,91 @@ _PREFIX = struct.Struct("<4sBBB")
 _SIZES = struct.Struct("<II")
 
 
+@functools.lru_cache(maxsize=64)
+def codec_for(layout: RoutingLayout) -> BlockCodec:
+    return BlockCodec(layout)
+
+
 def encode_rows(rows: np.ndarray, layout: RoutingLayout) -> bytes:
     """Encode ``(n, num_layers, topk)`` rows; lz4 unless it would not shrink them."""
-    layout.check_rows(rows)
-    raw = np.ascontiguousarray(rows).tobytes()
-    packed = lz4.block.compress(raw, store_size=False)
-    codec, payload = (CODEC_LZ4, packed) if len(packed) < len(raw) else (CODEC_RAW, raw)
-    fingerprint = layout.fingerprint.encode("ascii")
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, codec, len(fingerprint)) + fingerprint
-    crc = zlib.crc32(raw, zlib.crc32(head + struct.pack("<I", len(raw))))
-    return b"".join((head, _SIZES.pack(len(raw), crc), payload))
+    return codec_for(layout).encode(rows)
 
 
 def decode_rows(data: bytes, layout: RoutingLayout, key: str) -> np.ndarray:
     """Decode bytes written by :func:`encode_rows`; raise CorruptBlockError naming ``key``."""
-    header = read_header(data, key)
-    if header.fingerprint != layout.fingerprint:
-        raise CorruptBlockError(
-            key, f"layout {header.fingerprint!r} does not match {layout.fingerprint!r}"
-        )
-    if header.raw_len > layout.block_nbytes or header.raw_len % layout.row_nbytes:
-        # Checked before decompressing: a flipped length bit must not allocate gigabytes.
-        raise CorruptBlockError(
-            key, f"{header.raw_len} bytes is not at most one block of whole rows"
-        )
-    payload = memoryview(data)[header.payload_offset :]
-    if header.codec == CODEC_LZ4:
-        try:
-            raw = lz4.block.decompress(payload, uncompressed_size=header.raw_len)
-        except lz4.block.LZ4BlockError as exc:
-            raise CorruptBlockError(key, f"lz4 payload does not decode ({exc})") from None
-    else:
-        raw = bytes(payload)
-    if len(raw) != header.raw_len:
-        raise CorruptBlockError(
-            key, f"payload holds {len(raw)} bytes, header says {header.raw_len}"
-        )
-    if zlib.crc32(raw, zlib.crc32(data[: header.payload_offset - 4])) != header.crc32:
-        raise CorruptBlockError(key, "checksum mismatch")
-    return np.frombuffer(raw, dtype=layout.dtype).reshape(-1, *layout.row_shape)
+    return codec_for(layout).decode(data, key)
+
+
+class BlockCodec:
+    """Own one layout's precomputed header bytes, so encoding and decoding do little else."""
+
+    def __init__(self, layout: RoutingLayout) -> None:
+        self.layout = layout
+        fingerprint = layout.fingerprint.encode("ascii")
+        self._heads = {
+            codec: _PREFIX.pack(MAGIC, FORMAT_VERSION, codec, len(fingerprint)) + fingerprint
+            for codec in _CODEC_NAMES
+        }
+        self._offset = _PREFIX.size + len(fingerprint) + _SIZES.size
+        full = struct.pack("<I", layout.block_nbytes)
+        # A whole block's header up to its checksum, and the CRC of those bytes.
+        self._full = {codec: head + full for codec, head in self._heads.items()}
+        self._full_crc = {codec: zlib.crc32(head) for codec, head in self._full.items()}
+
+    def encode(self, rows: np.ndarray) -> bytes:
+        self.layout.check_rows(rows)
+        raw = np.ascontiguousarray(rows).tobytes()
+        packed = lz4.block.compress(raw, store_size=False)
+        codec, payload = (CODEC_LZ4, packed) if len(packed) < len(raw) else (CODEC_RAW, raw)
+        head = self._heads[codec] + struct.pack("<I", len(raw))
+        return b"".join((head, struct.pack("<I", zlib.crc32(raw, zlib.crc32(head))), payload))
+
+    def decode(self, data: bytes, key: str) -> np.ndarray:
+        """Rows of any block or partial block; every header field is checked."""
+        layout = self.layout
+        header = read_header(data, key)
+        if header.fingerprint != layout.fingerprint:
+            raise CorruptBlockError(
+                key, f"layout {header.fingerprint!r} does not match {layout.fingerprint!r}"
+            )
+        if header.raw_len > layout.block_nbytes or header.raw_len % layout.row_nbytes:
+            # Checked before decompressing: a flipped length bit must not allocate gigabytes.
+            raise CorruptBlockError(
+                key, f"{header.raw_len} bytes is not at most one block of whole rows"
+            )
+        raw = self._payload(data, header.payload_offset, header.codec, header.raw_len, key)
+        if zlib.crc32(raw, zlib.crc32(data[: header.payload_offset - 4])) != header.crc32:
+            raise CorruptBlockError(key, "checksum mismatch")
+        return np.frombuffer(raw, dtype=layout.dtype).reshape(-1, *layout.row_shape)
+
+    def decode_into(self, data: bytes, key: str, out: np.ndarray) -> None:
+        """Decode one whole block into ``out`` (``block_shape``), on the common path fast."""
+        at = self._offset - 4
+        codec = CODEC_LZ4 if data.startswith(self._full[CODEC_LZ4]) else CODEC_RAW
+        if not data.startswith(self._full[codec]):
+            rows = self.decode(data, key)  # raises the precise error, or is a partial block
+            if rows.shape != out.shape:
+                raise CorruptBlockError(key, f"holds {len(rows)} rows, a block has {len(out)}")
+            out[...] = rows
+            return
+        raw = self._payload(data, self._offset, codec, self.layout.block_nbytes, key)
+        if zlib.crc32(raw, self._full_crc[codec]) != int.from_bytes(data[at:at + 4], "little"):
+            raise CorruptBlockError(key, "checksum mismatch")
+        out[...] = np.frombuffer(raw, dtype=self.layout.dtype).reshape(out.shape)
+
+    @staticmethod
+    def _payload(data: bytes, offset: int, codec: int, raw_len: int, key: str) -> bytes:
+        payload = memoryview(data)[offset:]
+        if codec == CODEC_LZ4:
+            try:
+                raw = lz4.block.decompress(payload, uncompressed_size=raw_len)
+            except lz4.block.LZ4BlockError as exc:
+                raise CorruptBlockError(key, f"lz4 payload does not decode ({exc})") from None
+        else:
+            raw = bytes(payload)
+        if len(raw) != raw_len:
+            raise CorruptBlockError(key, f"payload holds {len(raw)} bytes, header says {raw_len}")
+        return raw
 
 
 class BlockHeader:

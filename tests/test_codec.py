@@ -4,7 +4,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3cache import RoutingLayout
-from r3cache.codec import CODEC_LZ4, CODEC_RAW, decode_rows, encode_rows, read_header
+from r3cache.codec import (
+    CODEC_LZ4,
+    CODEC_RAW,
+    codec_for,
+    decode_rows,
+    encode_rows,
+    read_header,
+)
 from r3cache.errors import CorruptBlockError, LayoutMismatchError
 from r3cache.sim import oracle_rows
 
@@ -80,6 +87,9 @@ def test_every_single_bit_flip_is_detected(seed, data):
     encoded[bit // 8] ^= 1 << (bit % 8)
     with pytest.raises(CorruptBlockError):
         decode_rows(bytes(encoded), LAYOUT, "k")
+    out = np.zeros_like(rows)
+    with pytest.raises(CorruptBlockError):
+        codec_for(LAYOUT).decode_into(bytes(encoded), "k", out)
 
 
 def test_a_huge_length_in_the_header_is_rejected_before_decompressing():
@@ -88,3 +98,13 @@ def test_a_huge_length_in_the_header_is_rejected_before_decompressing():
     data[at : at + 4] = (0xFFFFFFFF).to_bytes(4, "little")
     with pytest.raises(CorruptBlockError, match="not at most one block"):
         decode_rows(bytes(data), LAYOUT, "k")
+
+
+@pytest.mark.parametrize("compressible", [True, False])
+def test_decode_into_fills_a_block_exactly(compressible):
+    rows = block(3) if not compressible else np.repeat(block(3)[:1], 16, axis=0)
+    out = np.zeros_like(rows)
+    codec_for(LAYOUT).decode_into(encode_rows(rows, LAYOUT), "k", out)
+    np.testing.assert_array_equal(out, rows)
+    with pytest.raises(CorruptBlockError, match="holds 5 rows"):
+        codec_for(LAYOUT).decode_into(encode_rows(rows[:5], LAYOUT), "k", out)

@@ -41,12 +41,9 @@ def store(url, namespace):
     s.close()
 
 
-def evalsha_calls(store) -> int:
-    total = 0
-    for client in store._nodes.primaries():
-        stats = client.info("commandstats")
-        total += stats.get("cmdstat_evalsha", {}).get("calls", 0)
-    return total
+def command_calls(store, name: str) -> int:
+    return sum(c.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
+               for c in store.primaries())
 
 
 def test_options_come_from_the_url_query_or_keywords(redis_url, namespace):
@@ -57,7 +54,7 @@ def test_options_come_from_the_url_query_or_keywords(redis_url, namespace):
         pool = s._nodes.client.connection_pool
         assert pool.max_connections == 4 and pool.connection_kwargs["socket_timeout"] == 2
         s.put({"k": blk(1)})
-        assert 0 < s._client_for(s.keys.block("k")).pttl(s.keys.block("k")) <= 5000
+        assert 0 < s.client_for(s.keys.block("k")).pttl(s.keys.block("k")) <= 5000
     finally:
         s.close()
     with pytest.raises(ContractError, match="unknown Redis store option .idle_tl."):
@@ -66,13 +63,13 @@ def test_options_come_from_the_url_query_or_keywords(redis_url, namespace):
 
 def test_namespace_metadata_is_written_once_and_guards_the_layout(url, namespace):
     s = open_store(url, layout=LAYOUT, namespace=namespace)
-    client = s._client_for(s.keys.meta)
+    client = s.client_for(s.keys.meta)
     meta = {k.decode(): v.decode() for k, v in client.hgetall(s.keys.meta).items()}
     assert meta["fingerprint"] == LAYOUT.fingerprint and meta["codec"] == "lz4"
     assert meta["dtype"] == "uint8" and meta["hash_algo"] == "sha256" and meta["created_at"]
     assert {"num_layers": "3", "topk": "2", "num_experts": "16", "block_size": "4"}.items() \
         <= meta.items()
-    assert s._client_for(NAMESPACES_KEY).sismember(NAMESPACES_KEY, namespace)
+    assert s.client_for(NAMESPACES_KEY).sismember(NAMESPACES_KEY, namespace)
     s.close()
     with pytest.raises(LayoutMismatchError, match="new namespace"):
         open_store(url, layout=RoutingLayout(3, 2, 17, 4), namespace=namespace)
@@ -83,23 +80,36 @@ def test_namespace_metadata_is_written_once_and_guards_the_layout(url, namespace
         open_store(url, layout=None, namespace=namespace + "-absent")
 
 
-def test_a_batch_is_one_script_call_per_node(store):
+def test_a_batch_is_one_round_per_node(store, monkeypatch):
+    from r3cache.store import redis_nodes
+
+    rounds = []
+    real = redis_nodes.call_nodes
+
+    def spy(calls):
+        rounds.append([client for client, _ in calls])
+        return real(calls)
+
+    monkeypatch.setattr(redis_nodes, "call_nodes", spy)
     blocks = {f"k{i}": blk(i) for i in range(200)}
-    nodes = len(store._nodes.primaries())
-    before = evalsha_calls(store)
+    nodes = len(store.primaries())
+    sets_before = command_calls(store, "set")
+    scripts_before = command_calls(store, "evalsha")
     store.put(blocks, retain_keys=list(blocks))
-    after_put = evalsha_calls(store)
+    assert len(rounds) == 1 and len(rounds[0]) == len(set(rounds[0])) == nodes
+    assert command_calls(store, "set") - sets_before == 200
+    # Holds before and settling after each group of up to 64 writes: not one per key.
+    scripts = command_calls(store, "evalsha") - scripts_before
+    assert 2 * nodes <= scripts <= 2 * (200 // 64 + nodes)
     rows = store.get_concatenated(list(blocks))
-    after_get = evalsha_calls(store)
-    assert after_put - before == nodes
-    assert after_get - after_put == nodes
+    assert len(rounds) == 2 and len(set(rounds[1])) == nodes
     np.testing.assert_array_equal(rows, np.concatenate(list(blocks.values())))
     store.put({}, release_keys=list(blocks))
 
 
 def test_script_cache_loss_is_recovered_transparently(store):
     store.put({"a": blk(1)}, retain_keys=["a"])
-    for client in store._nodes.primaries():
+    for client in store.primaries():
         client.script_flush()
     store.put({"b": blk(2)}, release_keys=["a"])
     np.testing.assert_array_equal(store.get_concatenated(["a", "b"]),
@@ -114,7 +124,7 @@ def test_script_cache_loss_is_recovered_transparently(store):
 def test_corrupted_values_raise_corrupt_block_error_naming_the_key(store, value, reason):
     store.put({"k": blk(1)})
     key = store.keys.block("k")
-    client = store._client_for(key)
+    client = store.client_for(key)
     client.set(key, value if value is not None else client.get(key)[:12])
     with pytest.raises(CorruptBlockError, match=reason) as info:
         store.get_concatenated(["k"])
@@ -145,7 +155,7 @@ def test_keys_released_together_expire_in_release_order(store):
     keys = ["head", "mid", "tail"]
     store.put({k: blk(i) for i, k in enumerate(keys)}, retain_keys=keys)
     store.put({}, release_keys=list(reversed(keys)))
-    ttl = {k: store._client_for(store.keys.block(k)).pttl(store.keys.block(k)) for k in keys}
+    ttl = {k: store.client_for(store.keys.block(k)).pttl(store.keys.block(k)) for k in keys}
     assert 0 < ttl["tail"] < ttl["mid"] < ttl["head"]
 
 
@@ -175,7 +185,7 @@ def test_a_crashed_owners_holds_are_reclaimed_after_its_lease(url, namespace):
         time.sleep(1.3)
         report = reclaim_dead_owners(survivor)
         assert report.dead_owners == ("crashed",) and report.holds_dropped == 2
-        ttl = {k: survivor._client_for(survivor.keys.block(k)).pttl(survivor.keys.block(k))
+        ttl = {k: survivor.client_for(survivor.keys.block(k)).pttl(survivor.keys.block(k))
                for k in ("k1", "k2")}
         assert ttl["k1"] > 0  # nobody holds it any more: it can expire
         assert ttl["k2"] == -1 and survivor.refcount("k2") == 1  # the survivor's hold stays
@@ -200,7 +210,7 @@ def test_the_janitor_runs_when_a_store_opens_and_as_r3cache_gc(url, namespace):
     store = open_store(url, layout=LAYOUT, namespace=namespace)  # runs the janitor
     try:
         refs = store.keys.refs("k2")
-        assert store._client_for(refs).hget(refs, "crashed") is None
+        assert store.client_for(refs).hget(refs, "crashed") is None
     finally:
         store.close()
 
@@ -305,17 +315,17 @@ def test_close_drops_every_hold_and_leaves_no_owner_behind(url, namespace):
     s = open_store(url, layout=LAYOUT, namespace=namespace, owner="tidy")
     s.put({"a": blk(1), "b": blk(2)}, retain_keys=["a", "a", "b"])
     s.put({}, release_keys=["a"])
-    client = s._client_for(s.keys.owners)
+    client = s.client_for(s.keys.owners)
     assert client.hexists(s.keys.owners, "tidy")
     s.close()
     probe = open_store(url, layout=LAYOUT, namespace=namespace, lease=False)
     try:
         for key in ("a", "b"):
-            assert probe._client_for(probe.keys.refs(key)).hget(probe.keys.refs(key), "tidy") \
+            assert probe.client_for(probe.keys.refs(key)).hget(probe.keys.refs(key), "tidy") \
                 is None
-            assert probe._client_for(probe.keys.block(key)).pttl(probe.keys.block(key)) > 0
+            assert probe.client_for(probe.keys.block(key)).pttl(probe.keys.block(key)) > 0
         assert not client.hexists(probe.keys.owners, "tidy")
         lease = probe.keys.lease("tidy")
-        assert not probe._client_for(lease).exists(lease)
+        assert not probe.client_for(lease).exists(lease)
     finally:
         probe.close()

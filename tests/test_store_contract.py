@@ -46,7 +46,7 @@ class Raw:
         return self._client(self.store.keys.block(key)).pttl(self.store.keys.block(key))
 
     def _client(self, key: bytes):
-        return self.store._client_for(key)
+        return self.store.client_for(key)
 
 
 @pytest.fixture

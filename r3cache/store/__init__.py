@@ -41,7 +41,7 @@ def open_store(
             merged[name] = int(float(merged[name]))
         return MemoryBlockStore(layout, namespace, **merged)
     if parts.scheme in REDIS_SCHEMES:
-        from r3cache.store.redis import open_redis_store
+        from r3cache.store.redis_connect import open_redis_store
 
         return open_redis_store(url, layout=layout, namespace=namespace, **options)
     raise ContractError(

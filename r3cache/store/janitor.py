@@ -21,7 +21,7 @@ class JanitorReport:
 def scan_keys(store, pattern: bytes) -> list[bytes]:
     """Every key matching ``pattern`` on every primary (SCAN, never KEYS)."""
     found: list[bytes] = []
-    for client in store._nodes.primaries():
+    for client in store.primaries():
         found.extend(client.scan_iter(match=pattern, count=_SCAN_COUNT))
     return found
 
@@ -29,10 +29,10 @@ def scan_keys(store, pattern: bytes) -> list[bytes]:
 def owner_liveness(store) -> dict[str, bool]:
     """Every owner that ever opened the namespace, and whether its lease is alive."""
     keys = store.keys
-    registry = store._client_for(keys.owners).hkeys(keys.owners)
+    registry = store.client_for(keys.owners).hkeys(keys.owners)
     owners = [o.decode() for o in registry]
     leases = [keys.lease(o) for o in owners]
-    alive = store._per_key(leases, lambda k: ("EXISTS", k))
+    alive = store.per_key(leases, lambda k: ("EXISTS", k))
     return {owner: bool(a) for owner, a in zip(owners, alive)}
 
 
@@ -49,7 +49,7 @@ def reclaim_dead_owners(store) -> JanitorReport:
     if dead:
         dropped = drop_holds(store, dead, scan_keys(store, store.keys.refs_pattern))
         owners_key = store.keys.owners
-        store._client_for(owners_key).hdel(owners_key, *dead)
+        store.client_for(owners_key).hdel(owners_key, *dead)
     live = tuple(o for o, alive in liveness.items() if alive)
     return JanitorReport(live, tuple(dead), dropped)
 
@@ -66,18 +66,20 @@ def drop_holds(store, owners: list[str], refs: list[bytes]) -> int:
             args += (refs[i], store.keys.block_of_refs(refs[i]))
         return args
 
-    return sum(int(count) for _, count in store._run(RECLAIM_SCRIPT, refs, argv))
+    return sum(int(count) for _, (count,) in
+               store._execute(refs, lambda idx: [RECLAIM_SCRIPT.command(*argv(idx))]))
 
 
 def list_namespaces(url: str) -> list[str]:
     """Every namespace ever opened on the server(s) at ``url``."""
-    from r3cache.store.redis import _connect, redis_errors
+    from r3cache.store.redis_connect import connect
+    from r3cache.store.redis_errors import redis_errors
     from r3cache.store.redis_keys import NAMESPACES_KEY
 
-    nodes, _, _ = _connect(url, "-", {})
+    nodes, _, _ = connect(url, "-", {})
     try:
         with redis_errors("-", "listing namespaces"):
-            client = next(iter(nodes.partition([NAMESPACES_KEY])))
-            return sorted(n.decode() for n in client.smembers(NAMESPACES_KEY))
+            members = nodes.client_for(NAMESPACES_KEY).smembers(NAMESPACES_KEY)
+            return sorted(n.decode() for n in members)
     finally:
         nodes.close()

@@ -10,84 +10,31 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import numpy as np
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import URL_QUERY_ARGUMENT_PARSERS
-from redis.retry import Retry
 
 from r3cache import codec
 from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
     LayoutMismatchError,
-    StoreAccessError,
     StoreClosedError,
-    StoreError,
-    StoreFullError,
-    StoreUnavailableError,
 )
 from r3cache.layout import RoutingLayout
 from r3cache.store.base import StoreStats
+from r3cache.store.redis_errors import redis_errors
 from r3cache.store.redis_keys import NAMESPACES_KEY, KeySchema, check_name
-from r3cache.store.redis_nodes import ClusterNodes, SingleNode, call_nodes
-from r3cache.store.redis_scripts import (
-    APPLY_SCRIPT,
-    OPEN_NAMESPACE_SCRIPT,
-    READ_SCRIPT,
-    RECLAIM_SCRIPT,
-    Script,
-)
+from r3cache.store.redis_nodes import CHUNK, ClusterNodes, SingleNode, execute
+from r3cache.store.redis_scripts import HOLDS_SCRIPT, OPEN_NAMESPACE_SCRIPT, SCRIPTS
 
 HASH_ALGO = "sha256"
 DEFAULT_IDLE_TTL = 86_400.0
 DEFAULT_LEASE_TTL = 30.0
-_CHUNK = 512  # keys per script call: bounds how long one call blocks the server
 _OWN_ROWS_LIMIT = 4096
-_TOPOLOGY_ERRORS = ("non local key", "MOVED", "ASK", "READONLY", "CLUSTERDOWN", "TRYAGAIN",
-                    "LOADING", "MASTERDOWN")
-
-# Options r3cache reads itself; everything else goes to the redis-py client.
-_STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
-    "idle_ttl": float, "lease_ttl": float, "owner": str, "retries": int,
-    "janitor": lambda v: str(v).lower() not in ("0", "false", "no"),
-    "lease": lambda v: str(v).lower() not in ("0", "false", "no"),
-}
-_CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {
-    "pool_size": int, "socket_timeout": float, "socket_connect_timeout": float,
-    "username": str, "password": str,
-}
-
-
-@contextmanager
-def redis_errors(namespace: str, what: str) -> Iterator[None]:
-    """Translate redis-py's exceptions into r3cache's, at the store's one boundary."""
-    try:
-        yield
-    except StoreError:
-        raise
-    except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
-        raise StoreAccessError(f"{what} in namespace {namespace!r} was refused: {exc}") from None
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-            redis.exceptions.ClusterDownError, redis.exceptions.ClusterError) as exc:
-        raise StoreUnavailableError(
-            f"{what} in namespace {namespace!r}: Redis unavailable ({type(exc).__name__}: {exc})"
-        ) from None
-    except redis.exceptions.ResponseError as exc:
-        if str(exc).startswith("OOM"):
-            raise StoreFullError(
-                f"{what} in namespace {namespace!r}: Redis is out of memory ({exc}); "
-                "nothing of the refused call was written"
-            ) from None
-        raise StoreError(f"{what} in namespace {namespace!r} failed: {exc}") from None
-    except redis.exceptions.RedisError as exc:
-        raise StoreError(f"{what} in namespace {namespace!r} failed: {exc}") from None
+_WRITE_CHUNK = 64  # keys per write group: small, so encoding overlaps the server's work
 
 
 def default_owner() -> str:
@@ -107,21 +54,34 @@ class RedisOptions:
     lease: bool = True  # False: an admin or reader handle that holds nothing
 
 
+class _KeyOps:
+    """Own one batch's operations on one key: holds to add and drop, bytes to write."""
+
+    __slots__ = ("retain", "release", "rank", "rows", "data")
+
+    def __init__(self) -> None:
+        self.retain = self.release = self.rank = 0
+        self.rows: np.ndarray | None = None
+        self.data: bytes | None = None  # the encoded rows, once built
+
+
 class RedisBlockStore:
     """Own one namespace's blocks, per-owner holds and this owner's lease in Redis.
 
-    A block is immutable (the first writer wins); a block held by any owner has
-    no TTL, and the last release gives it the idle TTL. Each batch is one script
-    call per node. When another writer's bytes already sit under a key, this
-    store keeps its own rows for that key in process, so its requests read back
-    what they computed, never another replica's rows.
+    A block is immutable: written with ``SET NX``, the first writer wins. A block
+    held by any owner has no TTL, and the last release gives it the idle TTL.
+    Each batch is one round per node: a hold script call before the writes, the
+    writes, and a settle script call after them. When another writer's bytes
+    already sit under a key, this store keeps its own rows for that key in
+    process, so its requests read back what they computed.
     """
 
-    def __init__(self, nodes, layout: RoutingLayout, namespace: str,
+    def __init__(self, nodes: SingleNode | ClusterNodes, layout: RoutingLayout, namespace: str,
                  options: RedisOptions = RedisOptions(), display_url: str = "redis://") -> None:
         self.layout = layout
         self.namespace = namespace
         self.keys = KeySchema(namespace)
+        self._codec = codec.codec_for(layout)
         self.owner = check_name(options.owner or default_owner(), "owner")
         self.options = options
         self._nodes = nodes
@@ -129,17 +89,19 @@ class RedisBlockStore:
         self._idle_ms = int(options.idle_ttl * 1000)
         self._own_rows: OrderedDict[str, np.ndarray] = OrderedDict()
         self._own_lock = threading.Lock()
-        self._counts = {"written": 0, "duplicates": 0, "conflicts": 0}
+        self._counts = Counter()
         # What this owner holds, as it asked: close() drops exactly these holds.
         self._holds: Counter[str] = Counter()
         self._closed = False
+        self._lease: _Lease | None = None
         with redis_errors(namespace, "opening the namespace"):
             # Loaded up front so the first batch needs no NOSCRIPT round trip per node.
             for client in nodes.primaries():
-                for script in (APPLY_SCRIPT, READ_SCRIPT, RECLAIM_SCRIPT, OPEN_NAMESPACE_SCRIPT):
+                for script in SCRIPTS.values():
                     client.script_load(script.source)
             self._open_namespace()
-            self._lease = _Lease(self) if options.lease else None
+            if options.lease:
+                self._lease = _Lease(self)
             if options.janitor:
                 from r3cache.store.janitor import reclaim_dead_owners
 
@@ -156,34 +118,55 @@ class RedisBlockStore:
         self._check_open()
         if (retain_keys or release_keys) and self._lease is None:
             raise ContractError("a store opened with lease=False cannot hold blocks")
-        ops: dict[str, list] = {}  # key -> [retain, data, release, rank]
+        ops: dict[str, _KeyOps] = {}
+        for key, rows in objects.items():
+            self.layout.check_rows(rows, f"block {key!r}")  # before anything is sent
+            ops.setdefault(key, _KeyOps()).rows = rows
         for key in retain_keys:
-            ops.setdefault(key, [0, b"", 0, 0])[0] += 1
-        encoded = {key: codec.encode_rows(rows, self.layout) for key, rows in objects.items()}
-        for key, data in encoded.items():
-            ops.setdefault(key, [0, b"", 0, 0])[1] = data
+            ops.setdefault(key, _KeyOps()).retain += 1
         for rank, key in enumerate(release_keys):
-            op = ops.setdefault(key, [0, b"", 0, 0])
-            op[2] += 1
-            op[3] = rank
+            op = ops.setdefault(key, _KeyOps())
+            op.release += 1
+            op.rank = rank
         if not ops:
             return
         self._track_holds(retain_keys, release_keys)
         names = list(ops)
         block_keys = [self.keys.block(k) for k in names]
-        head = (self.owner, self._idle_ms)
-
-        def argv(indices: list[int]) -> list:
-            args = list(head)
-            for i in indices:
-                key = names[i]
-                args += (block_keys[i], self.keys.refs(key), *ops[key])
-            return args
-
         with redis_errors(self.namespace, "writing blocks"):
-            for indices, statuses in self._run(APPLY_SCRIPT, block_keys, argv):
-                for i, status in zip(indices, statuses):
-                    self._count(names[i], status, objects)
+            for indices, replies in self._execute(
+                block_keys, lambda idx: self._write_commands(names, block_keys, ops, idx),
+                chunk=_WRITE_CHUNK,
+            ):
+                written = [i for i in indices if ops[names[i]].rows is not None]
+                offset = 1 if any(ops[names[i]].retain for i in indices) else 0
+                for i, old in zip(written, replies[offset:]):
+                    self._count(names[i], ops[names[i]], old)
+
+    def _write_commands(self, names, block_keys, ops, indices) -> list[tuple]:
+        """Retains, then ``SET NX GET`` of the encoded rows, then releases and TTL settling.
+
+        Called per group as the group is sent, so encoding overlaps the servers' work.
+        """
+        head = (self.owner, self._idle_ms)
+        before: list = []
+        writes: list = []
+        after: list = []
+        for i in indices:
+            op = ops[names[i]]
+            refs = self.keys.refs(names[i])
+            if op.retain:
+                before += (block_keys[i], refs, op.retain, 0, 0)
+            if op.rows is not None:
+                op.data = self._codec.encode(op.rows)
+                writes.append(("SET", block_keys[i], op.data, "NX", "GET", "PX", self._idle_ms))
+            if op.rows is not None or op.release:
+                after += (block_keys[i], refs, 0, op.release, op.rank)
+        commands = [HOLDS_SCRIPT.command(*head, *before)] if before else []
+        commands += writes
+        if after:
+            commands.append(HOLDS_SCRIPT.command(*head, *after))
+        return commands
 
     def _track_holds(self, retain_keys: Collection[str], release_keys: Sequence[str]) -> None:
         holds = self._holds
@@ -194,15 +177,15 @@ class RedisBlockStore:
             else:
                 holds.pop(key, None)
 
-    def _count(self, key: str, status: int, objects: Mapping[str, np.ndarray]) -> None:
-        if status == 1:
+    def _count(self, key: str, op: _KeyOps, old: bytes | None) -> None:
+        if old is None:
             self._counts["written"] += 1
-        elif status == 2:
+        elif old == op.data:
             self._counts["duplicates"] += 1
-        elif status == 3:
+        else:
             self._counts["conflicts"] += 1
             with self._own_lock:
-                self._own_rows[key] = np.array(objects[key], copy=True)
+                self._own_rows[key] = np.array(op.rows, copy=True)
                 while len(self._own_rows) > _OWN_ROWS_LIMIT:
                     self._own_rows.popitem(last=False)
 
@@ -211,11 +194,13 @@ class RedisBlockStore:
         if not keys:
             return self.layout.empty_rows()
         unique = list(dict.fromkeys(keys))
+        position = {k: i for i, k in enumerate(unique)}
         block_keys = [self.keys.block(k) for k in unique]
         values: list[bytes | None] = [None] * len(unique)
         with redis_errors(self.namespace, "reading blocks"):
-            for indices, found in self._run(READ_SCRIPT, block_keys,
-                                            lambda idx: [block_keys[i] for i in idx]):
+            for indices, (found,) in self._execute(
+                block_keys, lambda idx: [("MGET", *(block_keys[i] for i in idx))], by_slot=True
+            ):
                 for i, value in zip(indices, found):
                     values[i] = value
         missing = [k for k, v in zip(unique, values) if v is None]
@@ -227,9 +212,19 @@ class RedisBlockStore:
             )
         with self._own_lock:
             own = {k: self._own_rows[k] for k in unique if k in self._own_rows}
-        blocks = {k: own[k] if k in own else codec.decode_rows(v, self.layout, k)
-                  for k, v in zip(unique, values)}
-        return np.concatenate([blocks[k] for k in keys])
+        bs = self.layout.block_size
+        out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
+        first: dict[str, int] = {}
+        for n, key in enumerate(keys):
+            block = out[n * bs : (n + 1) * bs]
+            if key in first:
+                block[...] = out[first[key] * bs : (first[key] + 1) * bs]
+            elif key in own:
+                block[...] = own[key]
+            else:
+                self._codec.decode_into(values[position[key]], key, block)
+            first.setdefault(key, n)
+        return out
 
     def flush(self) -> None:
         self._check_open()
@@ -242,8 +237,8 @@ class RedisBlockStore:
         with redis_errors(self.namespace, "reading stats"):
             blocks = scan_keys(self, self.keys.blocks_pattern)
             refs = scan_keys(self, self.keys.refs_pattern)
-            sizes = self._per_key(blocks, lambda k: ("STRLEN", k))
-            mine = self._per_key(refs, lambda k: ("HEXISTS", k, self.owner))
+            sizes = self.per_key(blocks, lambda k: ("STRLEN", k))
+            mine = self.per_key(refs, lambda k: ("HEXISTS", k, self.owner))
         held = {self.keys.block_of_refs(r) for r in refs}
         return StoreStats(
             blocks=len(blocks),
@@ -259,9 +254,9 @@ class RedisBlockStore:
 
     def refcount(self, key: str) -> int:
         """This owner's holds on ``key``."""
+        refs = self.keys.refs(key)
         with redis_errors(self.namespace, "reading a reference count"):
-            value = self._client_for(self.keys.refs(key)).hget(self.keys.refs(key), self.owner)
-        return int(value or 0)
+            return int(self.client_for(refs).hget(refs, self.owner) or 0)
 
     def close(self) -> None:
         """Drop every hold this owner still has, then its lease and registry entry.
@@ -275,71 +270,36 @@ class RedisBlockStore:
         self._closed = True
         try:
             if self._lease is not None:
-                with redis_errors(self.namespace, "closing"):
-                    from r3cache.store.janitor import drop_holds
+                from r3cache.store.janitor import drop_holds
 
+                with redis_errors(self.namespace, "closing"):
                     drop_holds(self, [self.owner], [self.keys.refs(k) for k in self._holds])
                     self._holds.clear()
                     self._lease.stop()
         finally:
             self._nodes.close()
 
-    # -- plumbing -------------------------------------------------------------------
+    # -- plumbing shared with the janitor -------------------------------------------
 
-    def _run(self, script: Script, keys: Sequence[bytes],
-             argv: Callable[[list[int]], list]) -> Iterator[tuple[list[int], Any]]:
-        """Call ``script`` once per node (per chunk) over ``keys``; retry topology changes."""
-        pending = list(range(len(keys)))
-        for attempt in range(self.options.retries + 1):
-            calls = []
-            for client, positions in self._nodes.partition([keys[i] for i in pending]).items():
-                for at in range(0, len(positions), _CHUNK):
-                    indices = [pending[p] for p in positions[at : at + _CHUNK]]
-                    calls.append((client, indices))
-            try:
-                results = call_nodes([(c, script.command(*argv(idx))) for c, idx in calls])
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                if attempt == self.options.retries:
-                    raise
-                self._recover(attempt)
-                continue
-            retry: list[int] = []
-            for (client, indices), result in zip(calls, results):
-                if isinstance(result, redis.exceptions.NoScriptError):
-                    client.script_load(script.source)  # lost after a restart or failover
-                    retry += indices
-                elif isinstance(result, redis.exceptions.ResponseError):
-                    if not any(marker in str(result) for marker in _TOPOLOGY_ERRORS):
-                        raise result
-                    if attempt == self.options.retries:
-                        raise result
-                    retry += indices
-                else:
-                    yield indices, result
-            if not retry:
-                return
-            pending = retry
-            self._recover(attempt)
+    def _execute(self, keys: Sequence[bytes], build: Callable[[list[int]], list],
+                 by_slot: bool = False, chunk: int = CHUNK
+                 ) -> Iterator[tuple[list[int], list[Any]]]:
+        return execute(self._nodes, keys, build, scripts=SCRIPTS,
+                       retries=self.options.retries, by_slot=by_slot, chunk=chunk)
 
-    def _recover(self, attempt: int) -> None:
-        time.sleep(min(0.05 * 2**attempt, 1.0))
-        try:
-            self._nodes.refresh()
-        except redis.exceptions.RedisError:
-            pass  # the next attempt reports the failure if it persists
-
-    def _per_key(self, keys: list[bytes], command: Callable[[bytes], tuple]) -> list:
+    def per_key(self, keys: list[bytes], command: Callable[[bytes], tuple]) -> list:
+        """One command per key, pipelined per node; replies in key order."""
         out: list = [None] * len(keys)
-        for client, indices in self._nodes.partition(keys).items():
-            pipe = client.pipeline(transaction=False)
-            for i in indices:
-                pipe.execute_command(*command(keys[i]))
-            for i, value in zip(indices, pipe.execute()):
+        for indices, replies in self._execute(keys, lambda idx: [command(keys[i]) for i in idx]):
+            for i, value in zip(indices, replies):
                 out[i] = value
         return out
 
-    def _client_for(self, key: bytes):
-        return next(iter(self._nodes.partition([key])))
+    def client_for(self, key: bytes) -> redis.Redis:
+        return self._nodes.client_for(key)
+
+    def primaries(self) -> list[redis.Redis]:
+        return self._nodes.primaries()
 
     def _open_namespace(self) -> None:
         fields = {
@@ -355,12 +315,10 @@ class RedisBlockStore:
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         meta = self.keys.meta
-        args = [meta, *[str(x) for kv in fields.items() for x in kv]]
-        found = {}
-        for _, reply in self._run(OPEN_NAMESPACE_SCRIPT, [meta], lambda idx: args):
-            found = dict(zip(reply[::2], reply[1::2]))
-        self._client_for(NAMESPACES_KEY).sadd(NAMESPACES_KEY, self.namespace)
-        stored = {k.decode(): v.decode() for k, v in found.items()}
+        args = [meta, *(str(x) for kv in fields.items() for x in kv)]
+        reply = self.client_for(meta).execute_command(*OPEN_NAMESPACE_SCRIPT.command(*args))
+        self.client_for(NAMESPACES_KEY).sadd(NAMESPACES_KEY, self.namespace)
+        stored = {k.decode(): v.decode() for k, v in zip(reply[::2], reply[1::2])}
         for name in ("fingerprint", "codec", "format_version"):
             if stored.get(name) != str(fields[name]):
                 raise LayoutMismatchError(
@@ -387,108 +345,25 @@ class _Lease:
         self._key = store.keys.lease(store.owner)
         self._stop = threading.Event()
         info = f"host={socket.gethostname()} pid={os.getpid()} started={int(time.time())}"
-        store._client_for(store.keys.owners).hset(store.keys.owners, store.owner, info)
+        store.client_for(store.keys.owners).hset(store.keys.owners, store.owner, info)
         self.beat()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"r3cache-lease-{store.owner}")
         self._thread.start()
 
     def beat(self) -> None:
-        self._store._client_for(self._key).set(self._key, b"1", px=self._ttl_ms)
+        self._store.client_for(self._key).set(self._key, b"1", px=self._ttl_ms)
 
     def _run(self) -> None:
         while not self._stop.wait(self._ttl_ms / 3000):
             try:
                 self.beat()
             except redis.exceptions.RedisError:
-                pass  # retried at the next beat; the lease TTL covers short outages
+                continue  # retried at the next beat; the lease TTL covers short outages
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
         store = self._store
-        store._client_for(self._key).delete(self._key)
-        store._client_for(store.keys.owners).hdel(store.keys.owners, store.owner)
-
-
-def _split_options(query: dict[str, str], options: dict[str, Any]):
-    """(r3cache's options, redis-py client options); unknown names are an error."""
-    merged = {**query, **options}
-    ours: dict[str, Any] = {}
-    client: dict[str, Any] = {}
-    for key, value in merged.items():
-        if key in _STORE_OPTIONS:
-            ours[key] = _STORE_OPTIONS[key](value)
-        elif key in _CLIENT_OPTIONS:
-            client["max_connections" if key == "pool_size" else key] = _CLIENT_OPTIONS[key](value)
-        elif key in URL_QUERY_ARGUMENT_PARSERS:
-            client[key] = URL_QUERY_ARGUMENT_PARSERS[key](value)
-        elif key.startswith("ssl_"):
-            client[key] = value
-        else:
-            raise ContractError(f"unknown Redis store option {key!r}")
-    return RedisOptions(**ours), client
-
-
-def _display(parts) -> str:
-    """The URL without credentials, for repr and errors."""
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
-def _connect(url: str, namespace: str, options: dict[str, Any]):
-    """Clients for ``url``: (nodes, r3cache's options, the URL without credentials)."""
-    parts = urlsplit(url)
-    store_options, client_options = _split_options(dict(parse_qsl(parts.query)), options)
-    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), store_options.retries)
-    client_options.setdefault("socket_timeout", 10.0)
-    client_options.setdefault("socket_connect_timeout", 5.0)
-    display = _display(parts)
-    if not parts.scheme.endswith("+cluster"):
-        plain = url.split("?", 1)[0]
-        client = redis.Redis.from_url(plain, retry=retry, **client_options)
-        return SingleNode(client), store_options, display
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    if userinfo:
-        user, _, password = userinfo.partition(":")
-        client_options.setdefault("username", unquote(user) or None)
-        client_options.setdefault("password", unquote(password) or None)
-    startup = []
-    for host in hosts.split(","):
-        name, _, port = host.rpartition(":")
-        startup.append(ClusterNode(name or "127.0.0.1", int(port or 6379)))
-    if parts.scheme.startswith("rediss"):
-        client_options["ssl"] = True
-    client_options.pop("db", None)  # a cluster has only database 0
-    with redis_errors(namespace, f"connecting to {display}"):
-        try:
-            cluster = RedisCluster(startup_nodes=startup, retry=retry, **client_options)
-        except redis.exceptions.RedisClusterException as exc:
-            raise StoreUnavailableError(f"no Redis Cluster at {display}: {exc}") from None
-    return ClusterNodes(cluster), store_options, display
-
-
-def open_redis_store(url: str, *, layout: RoutingLayout | None, namespace: str,
-                     **options: Any) -> RedisBlockStore:
-    """Open a Redis-backed store: ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``.
-
-    With ``layout=None`` the namespace must exist, and its stored layout is used.
-    """
-    check_name(namespace, "namespace")
-    nodes, store_options, display = _connect(url, namespace, options)
-    try:
-        if layout is None:
-            layout = _stored_layout(nodes, KeySchema(namespace), display)
-        return RedisBlockStore(nodes, layout, namespace, store_options, display)
-    except BaseException:
-        nodes.close()
-        raise
-
-
-def _stored_layout(nodes, keys: KeySchema, display: str) -> RoutingLayout:
-    with redis_errors(keys.namespace, "reading the namespace metadata"):
-        client = next(iter(nodes.partition([keys.meta])))
-        fingerprint = client.hget(keys.meta, "fingerprint")
-    if fingerprint is None:
-        raise ContractError(f"no namespace {keys.namespace!r} at {display}")
-    return RoutingLayout.from_fingerprint(fingerprint.decode())
+        store.client_for(self._key).delete(self._key)
+        store.client_for(store.keys.owners).hdel(store.keys.owners, store.owner)

@@ -14,61 +14,36 @@ import hashlib
 _SHEBANG = "#!lua flags=allow-cross-slot-keys\n"
 
 # After a key's holds changed: pinned blocks lose their TTL (so volatile-* eviction
-# cannot take them); a block nobody holds gets the idle TTL, offset by its rank so
-# that blocks released together expire (and are evicted) in release order.
+# cannot take them); a block nobody holds gets the idle TTL, 10 ms longer per rank,
+# so that blocks released together expire (and volatile-ttl evicts them) in release order.
 _SETTLE = """
 local function settle(block, refs, idle_ms, rank)
   if redis.call('EXISTS', refs) == 1 then
     redis.call('PERSIST', block)
   else
-    redis.call('PEXPIRE', block, idle_ms + rank)
+    redis.call('PEXPIRE', block, idle_ms + 10 * rank)
   end
 end
 """
 
-# ARGV: owner, idle_ms, then per key 6 values:
-#   block key, refs key, retain count, data ('' = no put), release count, rank.
-# Per key, in order: retain, put (first writer wins), release (never below zero).
-# Returns one status per key: 0 no put, 1 written, 2 same bytes there, 3 other bytes there.
-APPLY = _SHEBANG + _SETTLE + """
+# ARGV: owner, idle_ms, then per key 5 values: block key, refs key, retain, release, rank.
+# Applies this owner's retains, then its releases (never below zero), then settles
+# each block's TTL. Block bytes never pass through Lua: they go by native SET NX.
+HOLDS = _SHEBANG + _SETTLE + """
 local owner, idle_ms = ARGV[1], tonumber(ARGV[2])
-for i = 3, #ARGV, 6 do
+for i = 3, #ARGV, 5 do
   redis.call('EXISTS', ARGV[i], ARGV[i + 1])
 end
-local out = {}
-for i = 3, #ARGV, 6 do
+for i = 3, #ARGV, 5 do
   local block, refs = ARGV[i], ARGV[i + 1]
-  local retain, data = tonumber(ARGV[i + 2]), ARGV[i + 3]
-  local release, rank = tonumber(ARGV[i + 4]), tonumber(ARGV[i + 5])
+  local retain, release = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   if retain > 0 then redis.call('HINCRBY', refs, owner, retain) end
-  local status = 0
-  if data ~= '' then
-    local old = redis.call('GET', block)
-    if not old then
-      redis.call('SET', block, data)
-      status = 1
-    elseif old == data then
-      status = 2
-    else
-      status = 3
-    end
-  end
   if release > 0 and tonumber(redis.call('HINCRBY', refs, owner, -release)) <= 0 then
     redis.call('HDEL', refs, owner)
   end
-  if status > 0 or release > 0 or retain > 0 then settle(block, refs, idle_ms, rank) end
-  out[#out + 1] = status
+  settle(block, refs, idle_ms, tonumber(ARGV[i + 4]))
 end
-return out
-"""
-
-# ARGV: block keys. Returns their values (false where missing).
-READ = "#!lua flags=allow-cross-slot-keys,no-writes\n" + """
-local out = {}
-for i = 1, #ARGV do
-  out[i] = redis.call('GET', ARGV[i])
-end
-return out
+return 1
 """
 
 # ARGV: idle_ms, number of owners n, n owners, then pairs (refs key, block key).
@@ -117,7 +92,7 @@ class Script:
         return ("EVALSHA", self.sha, 0, *args)
 
 
-APPLY_SCRIPT = Script(APPLY)
-READ_SCRIPT = Script(READ)
+HOLDS_SCRIPT = Script(HOLDS)
 RECLAIM_SCRIPT = Script(RECLAIM)
 OPEN_NAMESPACE_SCRIPT = Script(OPEN_NAMESPACE)
+SCRIPTS = {s.sha: s for s in (HOLDS_SCRIPT, RECLAIM_SCRIPT, OPEN_NAMESPACE_SCRIPT)}

@@ -1,0 +1,117 @@
+"""Opening a Redis store from a URL: schemes, options, clients, credentials kept out of sight."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.retry import Retry
+
+from r3cache.errors import ContractError, StoreUnavailableError
+from r3cache.layout import RoutingLayout
+from r3cache.store.redis import RedisBlockStore, RedisOptions
+from r3cache.store.redis_errors import redis_errors
+from r3cache.store.redis_keys import KeySchema, check_name
+from r3cache.store.redis_nodes import ClusterNodes, SingleNode
+
+
+def _flag(value: Any) -> bool:
+    return str(value).lower() not in ("0", "false", "no")
+
+
+# Options r3cache reads itself; everything else goes to the redis-py client.
+_STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
+    "idle_ttl": float, "lease_ttl": float, "owner": str, "retries": int,
+    "janitor": _flag, "lease": _flag,
+}
+_CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {
+    "pool_size": int, "socket_timeout": float, "socket_connect_timeout": float,
+    "username": str, "password": str,
+}
+
+
+def _split_options(query: dict[str, str], options: dict[str, Any]):
+    """(r3cache's options, redis-py client options); unknown names are an error."""
+    merged = {**query, **options}
+    ours: dict[str, Any] = {}
+    client: dict[str, Any] = {}
+    for key, value in merged.items():
+        if key in _STORE_OPTIONS:
+            ours[key] = _STORE_OPTIONS[key](value)
+        elif key in _CLIENT_OPTIONS:
+            client["max_connections" if key == "pool_size" else key] = _CLIENT_OPTIONS[key](value)
+        elif key in URL_QUERY_ARGUMENT_PARSERS:
+            client[key] = URL_QUERY_ARGUMENT_PARSERS[key](value)
+        elif key.startswith("ssl_"):
+            client[key] = value
+        else:
+            raise ContractError(f"unknown Redis store option {key!r}")
+    return RedisOptions(**ours), client
+
+
+def _display(parts) -> str:
+    """The URL without credentials, for repr and errors."""
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def connect(url: str, namespace: str, options: dict[str, Any]):
+    """Clients for ``url``: (nodes, r3cache's options, the URL without credentials)."""
+    parts = urlsplit(url)
+    store_options, client_options = _split_options(dict(parse_qsl(parts.query)), options)
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), store_options.retries)
+    client_options.setdefault("socket_timeout", 10.0)
+    client_options.setdefault("socket_connect_timeout", 5.0)
+    display = _display(parts)
+    if not parts.scheme.endswith("+cluster"):
+        plain = url.split("?", 1)[0]
+        client = redis.Redis.from_url(plain, retry=retry, **client_options)
+        return SingleNode(client), store_options, display
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    if userinfo:
+        user, _, password = userinfo.partition(":")
+        client_options.setdefault("username", unquote(user) or None)
+        client_options.setdefault("password", unquote(password) or None)
+    startup = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":")
+        startup.append(ClusterNode(name or "127.0.0.1", int(port or 6379)))
+    if parts.scheme.startswith("rediss"):
+        client_options["ssl"] = True
+    client_options.pop("db", None)  # a cluster has only database 0
+    with redis_errors(namespace, f"connecting to {display}"):
+        try:
+            cluster = RedisCluster(startup_nodes=startup, retry=retry, **client_options)
+        except redis.exceptions.RedisClusterException as exc:
+            raise StoreUnavailableError(f"no Redis Cluster at {display}: {exc}") from None
+    return ClusterNodes(cluster), store_options, display
+
+
+def open_redis_store(url: str, *, layout: RoutingLayout | None, namespace: str,
+                     **options: Any) -> RedisBlockStore:
+    """Open a Redis-backed store: ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``.
+
+    With ``layout=None`` the namespace must exist, and its stored layout is used.
+    """
+    check_name(namespace, "namespace")
+    nodes, store_options, display = connect(url, namespace, options)
+    try:
+        if layout is None:
+            layout = _stored_layout(nodes, KeySchema(namespace), display)
+        return RedisBlockStore(nodes, layout, namespace, store_options, display)
+    except BaseException:
+        nodes.close()
+        raise
+
+
+def _stored_layout(nodes, keys: KeySchema, display: str) -> RoutingLayout:
+    with redis_errors(keys.namespace, "reading the namespace metadata"):
+        fingerprint = nodes.client_for(keys.meta).hget(keys.meta, "fingerprint")
+    if fingerprint is None:
+        raise ContractError(f"no namespace {keys.namespace!r} at {display}")
+    return RoutingLayout.from_fingerprint(fingerprint.decode())

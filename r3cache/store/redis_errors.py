@@ -1,0 +1,40 @@
+"""The one boundary where redis-py's exceptions become r3cache's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
+
+from r3cache.errors import (
+    StoreAccessError,
+    StoreError,
+    StoreFullError,
+    StoreUnavailableError,
+)
+
+
+@contextmanager
+def redis_errors(namespace: str, what: str) -> Iterator[None]:
+    """Translate redis-py's exceptions raised inside the block into r3cache's."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
+        raise StoreAccessError(f"{what} in namespace {namespace!r} was refused: {exc}") from None
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+            redis.exceptions.ClusterDownError, redis.exceptions.ClusterError) as exc:
+        raise StoreUnavailableError(
+            f"{what} in namespace {namespace!r}: Redis unavailable ({type(exc).__name__}: {exc})"
+        ) from None
+    except redis.exceptions.ResponseError as exc:
+        if str(exc).startswith("OOM"):
+            raise StoreFullError(
+                f"{what} in namespace {namespace!r}: Redis is out of memory ({exc}); "
+                "nothing of the refused command was written"
+            ) from None
+        raise StoreError(f"{what} in namespace {namespace!r} failed: {exc}") from None
+    except redis.exceptions.RedisError as exc:
+        raise StoreError(f"{what} in namespace {namespace!r} failed: {exc}") from None
