@@ -8,6 +8,7 @@ Everything binds to 127.0.0.1 on free ports and lives in a temporary directory t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -209,10 +210,8 @@ def main(argv: list[str]) -> int:
     runner = RedisClusterProcesses() if kind == "cluster" else RedisServer()
     with runner:
         print(runner.url, flush=True)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
-        except KeyboardInterrupt:
-            pass
     return 0
 
 

@@ -94,7 +94,7 @@ def test_every_single_bit_flip_is_detected(seed, data):
 
 def test_a_huge_length_in_the_header_is_rejected_before_decompressing():
     data = bytearray(encode_rows(block(), LAYOUT))
-    at = 7 + len(LAYOUT.fingerprint)
+    at = 7 + len(LAYOUT.fingerprint)  # raw_len follows the fingerprint
     data[at : at + 4] = (0xFFFFFFFF).to_bytes(4, "little")
     with pytest.raises(CorruptBlockError, match="not at most one block"):
         decode_rows(bytes(data), LAYOUT, "k")

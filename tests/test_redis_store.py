@@ -84,13 +84,13 @@ def test_a_batch_is_one_round_per_node(store, monkeypatch):
     from r3cache.store import redis_nodes
 
     rounds = []
-    real = redis_nodes.call_nodes
+    real = redis_nodes.Round
 
     def spy(calls):
         rounds.append([client for client, _ in calls])
         return real(calls)
 
-    monkeypatch.setattr(redis_nodes, "call_nodes", spy)
+    monkeypatch.setattr(redis_nodes, "Round", spy)
     blocks = {f"k{i}": blk(i) for i in range(200)}
     nodes = len(store.primaries())
     sets_before = command_calls(store, "set")

@@ -35,6 +35,7 @@ DEFAULT_IDLE_TTL = 86_400.0
 DEFAULT_LEASE_TTL = 30.0
 _OWN_ROWS_LIMIT = 4096
 _WRITE_CHUNK = 64  # keys per write group: small, so encoding overlaps the server's work
+_READ_CHUNK = 64
 
 
 def default_owner() -> str:
@@ -191,39 +192,40 @@ class RedisBlockStore:
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         self._check_open()
-        if not keys:
-            return self.layout.empty_rows()
-        unique = list(dict.fromkeys(keys))
-        position = {k: i for i, k in enumerate(unique)}
+        bs = self.layout.block_size
+        out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
+        first: dict[str, int] = {}  # key -> its first position in ``keys``
+        for n, key in enumerate(keys):
+            first.setdefault(key, n)
+        unique = list(first)
+        with self._own_lock:
+            own = {k: self._own_rows[k] for k in unique if k in self._own_rows}
         block_keys = [self.keys.block(k) for k in unique]
-        values: list[bytes | None] = [None] * len(unique)
+        missing: list[str] = []
         with redis_errors(self.namespace, "reading blocks"):
+            # Each group is decoded as it arrives, while the servers send the next ones.
+            read = self._nodes.read_command
             for indices, (found,) in self._execute(
-                block_keys, lambda idx: [("MGET", *(block_keys[i] for i in idx))], by_slot=True
+                block_keys, lambda idx: [read([block_keys[i] for i in idx])], chunk=_READ_CHUNK
             ):
                 for i, value in zip(indices, found):
-                    values[i] = value
-        missing = [k for k, v in zip(unique, values) if v is None]
+                    key = unique[i]
+                    at = first[key] * bs
+                    if key in own:
+                        out[at : at + bs] = own[key]
+                    elif value is None:
+                        missing.append(key)
+                    else:
+                        self._codec.decode_into(value, key, out[at : at + bs])
         if missing:
             raise BlockNotFoundError(
-                missing, namespace=self.namespace,
+                sorted(missing, key=first.__getitem__), namespace=self.namespace,
                 cause=f"idle TTL ({self.options.idle_ttl:g} s) expired, evicted under "
                 "maxmemory, or never written",
             )
-        with self._own_lock:
-            own = {k: self._own_rows[k] for k in unique if k in self._own_rows}
-        bs = self.layout.block_size
-        out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
-        first: dict[str, int] = {}
         for n, key in enumerate(keys):
-            block = out[n * bs : (n + 1) * bs]
-            if key in first:
-                block[...] = out[first[key] * bs : (first[key] + 1) * bs]
-            elif key in own:
-                block[...] = own[key]
-            else:
-                self._codec.decode_into(values[position[key]], key, block)
-            first.setdefault(key, n)
+            if first[key] != n:
+                out[n * bs : (n + 1) * bs] = out[first[key] * bs : (first[key] + 1) * bs]
         return out
 
     def flush(self) -> None:
@@ -282,10 +284,9 @@ class RedisBlockStore:
     # -- plumbing shared with the janitor -------------------------------------------
 
     def _execute(self, keys: Sequence[bytes], build: Callable[[list[int]], list],
-                 by_slot: bool = False, chunk: int = CHUNK
-                 ) -> Iterator[tuple[list[int], list[Any]]]:
+                 chunk: int = CHUNK) -> Iterator[tuple[list[int], list[Any]]]:
         return execute(self._nodes, keys, build, scripts=SCRIPTS,
-                       retries=self.options.retries, by_slot=by_slot, chunk=chunk)
+                       retries=self.options.retries, chunk=chunk)
 
     def per_key(self, keys: list[bytes], command: Callable[[bytes], tuple]) -> list:
         """One command per key, pipelined per node; replies in key order."""

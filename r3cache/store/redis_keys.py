@@ -1,8 +1,9 @@
 """KeySchema: every Redis key r3cache writes, named in one place.
 
 ``r3:namespaces``                  set of namespaces ever opened
-``r3:{ns}:meta``                   hash: layout fingerprint and fields, dtype, codec, hash algo, created_at
-``r3:{ns}:owners``                 hash: owner id -> "host pid started-at" for every owner that opened it
+``r3:{ns}:meta``                   hash: layout fingerprint and fields, dtype, codec, hash algo,
+                                   created_at
+``r3:{ns}:owners``                 hash: owner id -> "host= pid= started=" of every live owner
 ``r3:{ns}:lease:{owner}``          string with a TTL: the owner's heartbeat
 ``r3:{ns}:b:{<block hash>}``       string: one encoded block (codec header + lz4 payload)
 ``r3:{ns}:r:{<block hash>}``       hash: owner -> hold count; absent when nobody holds the block

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -11,7 +12,10 @@ import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
+from r3cache.store.redis_scripts import READ_SCRIPT
+
 CHUNK = 512  # keys per command group: bounds how long one call occupies the server
+_SEND_BYTES = 64 << 10  # packed commands are sent in bursts of about this size
 
 
 def _chunks(indices: list[int], size: int) -> list[list[int]]:
@@ -24,13 +28,18 @@ class SingleNode:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
 
-    def partition(self, keys: Sequence[bytes], by_slot: bool = False, chunk: int = CHUNK
+    def partition(self, keys: Sequence[bytes], chunk: int = CHUNK
                   ) -> dict[redis.Redis, list[list[int]]]:
-        """Group key indices per node, in chunks (or per hash slot with ``by_slot``)."""
+        """Group key indices per node, in chunks."""
         return {self.client: _chunks(list(range(len(keys))), chunk)} if keys else {}
 
     def client_for(self, key: bytes) -> redis.Redis:
         return self.client
+
+    @staticmethod
+    def read_command(keys: Sequence[bytes]) -> tuple:
+        """One command that returns the values of ``keys`` (all on one node)."""
+        return ("MGET", *keys)
 
     def primaries(self) -> list[redis.Redis]:
         return [self.client]
@@ -48,26 +57,27 @@ class ClusterNodes:
     def __init__(self, cluster: RedisCluster) -> None:
         self.client = cluster
 
-    def partition(self, keys: Sequence[bytes], by_slot: bool = False, chunk: int = CHUNK
+    def partition(self, keys: Sequence[bytes], chunk: int = CHUNK
                   ) -> dict[redis.Redis, list[list[int]]]:
-        """Group key indices per primary, in chunks (or per hash slot with ``by_slot``)."""
+        """Group key indices per primary, in chunks."""
         manager = self.client.nodes_manager
-        groups: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+        groups: dict[str, list[int]] = defaultdict(list)
         nodes = {}
         for index, key in enumerate(keys):
-            slot = key_slot(key)
-            node = manager.get_node_from_slot(slot)
+            node = manager.get_node_from_slot(key_slot(key))
             nodes[node.name] = node
-            groups[node.name][slot if by_slot else 0].append(index)
-        out = {}
-        for name, per_slot in groups.items():
-            lists = list(per_slot.values()) if by_slot else _chunks(per_slot[0], chunk)
-            out[self.client.get_redis_connection(nodes[name])] = lists
-        return out
+            groups[node.name].append(index)
+        return {self.client.get_redis_connection(nodes[name]): _chunks(indices, chunk)
+                for name, indices in groups.items()}
 
     def client_for(self, key: bytes) -> redis.Redis:
         node = self.client.nodes_manager.get_node_from_slot(key_slot(key))
         return self.client.get_redis_connection(node)
+
+    @staticmethod
+    def read_command(keys: Sequence[bytes]) -> tuple:
+        """One command that returns the values of ``keys`` (all on one node, any slots)."""
+        return READ_SCRIPT.command(*keys)
 
     def primaries(self) -> list[redis.Redis]:
         return [self.client.get_redis_connection(n) for n in self.client.get_primaries()]
@@ -80,49 +90,87 @@ class ClusterNodes:
         self.client.close()
 
 
-def call_nodes(calls: Sequence[tuple[redis.Redis, Iterable[Sequence[Sequence[Any]]]]]
-               ) -> list[list[Any]]:
-    """Send every node its commands, then read every reply: one write burst, one read a socket.
+class Round:
+    """Own one round of calls: each node's commands sent in one burst, replies read lazily.
 
-    Each node's commands come as chunks, produced lazily and sent round-robin across
-    nodes as they are produced, so the servers work while later chunks are built.
-    A ResponseError comes back in place of its reply; a connection failure
-    disconnects every socket used (so no reply is left unread) and is raised.
+    Each node's commands come as groups, built on demand and sent round-robin across
+    nodes, so the servers work while later groups are built. Replies are then read
+    group by group, round-robin, so the caller can process one group while the
+    servers send the next. A ResponseError comes back in place of its reply.
+    Closing a round before every reply was read disconnects its sockets, so no
+    unread reply is left on a pooled connection.
     """
-    taken = []
-    try:
-        streams = []
-        for client, chunks in calls:
-            connection = client.connection_pool.get_connection()
-            taken.append((client, connection))
-            streams.append((connection, iter(chunks), []))
-        active = list(streams)
-        while active:
-            for stream in list(active):
-                connection, chunks, sent = stream
-                chunk = next(chunks, None)
-                if chunk is None:
-                    active.remove(stream)
-                elif chunk:
-                    connection.send_packed_command(connection.pack_commands(chunk))
-                    sent.append(len(chunk))
-        results = []
-        for connection, _, sent in streams:
-            replies = []
-            for _ in range(sum(sent)):
-                try:
-                    replies.append(connection.read_response())
-                except redis.exceptions.ResponseError as exc:
-                    replies.append(exc)
-            results.append(replies)
-        return results
-    except BaseException:
-        for _, connection in taken:
-            connection.disconnect()
-        raise
-    finally:
-        for client, connection in taken:
+
+    def __init__(self, calls: Sequence[tuple[redis.Redis, Iterable[Sequence[Sequence[Any]]]]]):
+        self._taken: list[tuple[redis.Redis, Any]] = []
+        self._sizes: list[list[int]] = []
+        self._done = False
+        try:
+            streams = []
+            for client, groups in calls:
+                connection = client.connection_pool.get_connection()
+                self._taken.append((client, connection))
+                self._sizes.append([])
+                streams.append((connection, iter(groups), self._sizes[-1], _Buffer()))
+            active = list(streams)
+            while active:
+                for stream in list(active):
+                    connection, groups, sizes, buffer = stream
+                    group = next(groups, None)
+                    if group is None:
+                        active.remove(stream)
+                        buffer.send(connection)
+                        continue
+                    if group:
+                        buffer.add(connection.pack_commands(group))
+                        if buffer.size >= _SEND_BYTES:
+                            buffer.send(connection)
+                    sizes.append(len(group))
+        except BaseException:
+            self.close()
+            raise
+
+    def replies(self) -> Iterator[tuple[int, int, list[Any]]]:
+        """(node index, group index, replies) for every group, round-robin over nodes."""
+        depth = max((len(s) for s in self._sizes), default=0)
+        for g in range(depth):
+            for n, (_, connection) in enumerate(self._taken):
+                if g < len(self._sizes[n]):
+                    yield n, g, [_read(connection) for _ in range(self._sizes[n][g])]
+        self._done = True
+
+    def close(self) -> None:
+        for client, connection in self._taken:
+            if not self._done:
+                connection.disconnect()
             client.connection_pool.release(connection)
+        self._taken = []
+
+
+class _Buffer:
+    """Own packed commands not yet sent on one connection, and their size."""
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self) -> None:
+        self.parts: list = []
+        self.size = 0
+
+    def add(self, parts: list) -> None:
+        self.parts.extend(parts)
+        self.size += sum(len(p) for p in parts)
+
+    def send(self, connection) -> None:
+        if self.parts:
+            connection.send_packed_command([b"".join(self.parts)])  # one sendall, not one a part
+            self.parts, self.size = [], 0
+
+
+def _read(connection) -> Any:
+    try:
+        return connection.read_response()
+    except redis.exceptions.ResponseError as exc:
+        return exc
 
 
 # Replies that mean "ask again after relearning the slot map": the key moved, the node
@@ -148,7 +196,6 @@ def execute(
     *,
     scripts: dict[str, Any],
     retries: int,
-    by_slot: bool = False,
     chunk: int = CHUNK,
 ) -> Iterator[tuple[list[int], list[Any]]]:
     """Run ``build(indices)``'s commands for every group of ``keys``, one round per node.
@@ -160,40 +207,46 @@ def execute(
     """
     pending = list(range(len(keys)))
     for attempt in range(retries + 1):
-        # One call per node, its groups' commands built and sent one group at a time.
-        plan = []
-        for client, lists in nodes.partition([keys[i] for i in pending], by_slot, chunk).items():
+        plan = []  # per node: (client, groups of key indices, their commands once built)
+        for client, lists in nodes.partition([keys[i] for i in pending], chunk).items():
             plan.append((client, [[pending[p] for p in positions] for positions in lists], []))
+        retry: list[int] = []
+        served: set[tuple[int, int]] = set()
         try:
-            results = call_nodes([(client, _built(groups, build, commands))
-                                  for client, groups, commands in plan])
+            calls = Round([(client, _built(groups, build, built))
+                           for client, groups, built in plan])
+            try:
+                for n, g, replies in calls.replies():
+                    client, groups, built = plan[n]
+                    if any(is_topology_error(r) for r in replies):
+                        if attempt == retries:
+                            raise next(r for r in replies if is_topology_error(r))
+                        retry += groups[g]
+                        continue
+                    _reload_scripts(client, built[g], replies, scripts)
+                    served.add((n, g))
+                    yield groups[g], replies
+            finally:
+                calls.close()
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             if attempt == retries:
                 raise
-            _relearn(nodes, attempt)
-            continue
-        retry: list[int] = []
-        for (client, groups, commands), replies in zip(plan, results):
-            if any(is_topology_error(r) for r in replies):
-                if attempt == retries:
-                    raise next(r for r in replies if is_topology_error(r))
-                retry += [i for indices in groups for i in indices]
-                continue
-            flat = [x for cmds in commands for x in cmds]
-            for n, reply in enumerate(replies):
-                if isinstance(reply, redis.exceptions.NoScriptError):
-                    client.script_load(scripts[flat[n][1]].source)
-                    replies[n] = client.execute_command(*flat[n])
-                elif isinstance(reply, redis.exceptions.ResponseError):
-                    raise reply
-            at = 0
-            for indices, cmds in zip(groups, commands):
-                yield indices, replies[at : at + len(cmds)]
-                at += len(cmds)
+            retry = [i for n, (_, groups, _) in enumerate(plan) for g, idx in enumerate(groups)
+                     if (n, g) not in served for i in idx]
         if not retry:
             return
         pending = retry
         _relearn(nodes, attempt)
+
+
+def _reload_scripts(client, commands, replies: list[Any], scripts: dict[str, Any]) -> None:
+    """Re-run commands whose script the node lost (NOSCRIPT); raise any other error reply."""
+    for n, reply in enumerate(replies):
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            client.script_load(scripts[commands[n][1]].source)
+            replies[n] = client.execute_command(*commands[n])
+        elif isinstance(reply, redis.exceptions.ResponseError):
+            raise reply
 
 
 def _built(groups, build, record: list) -> Iterator[list]:
@@ -206,7 +259,6 @@ def _built(groups, build, record: list) -> Iterator[list]:
 
 def _relearn(nodes: SingleNode | ClusterNodes, attempt: int) -> None:
     time.sleep(min(0.05 * 2**attempt, 1.0))
-    try:
+    # A failed refresh is not final: the next attempt reports the failure if it persists.
+    with contextlib.suppress(redis.exceptions.RedisError):
         nodes.refresh()
-    except redis.exceptions.RedisError:
-        pass  # the next attempt reports the failure if it persists
