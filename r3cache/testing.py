@@ -46,8 +46,9 @@ class RedisServer:
     """Own one redis-server process on a free loopback port, with its own directory."""
 
     def __init__(self, *args: str, port: int | None = None, directory: Path | None = None,
-                 ready: bool = True):
+                 ready: bool = True, config_file: Path | None = None):
         self.port = port or free_port()
+        self.config_file = config_file  # its settings apply, unless ``args`` override them
         self._check_ready = ready  # False: a TLS-only server cannot be pinged in plain text
         self._own_dir = directory is None
         self.dir = Path(directory or tempfile.mkdtemp(prefix="r3cache-redis-"))
@@ -62,12 +63,13 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        command = [
-            shutil.which("redis-server") or "redis-server",
-            "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--save", "", "--appendonly", "no", "--logfile", str(self.dir / "redis.log"),
-            *self.args,
-        ]
+        command = [shutil.which("redis-server") or "redis-server"]
+        if self.config_file is not None:
+            command.append(str(self.config_file))
+        else:  # a throwaway server: nothing on disk
+            command += ["--save", "", "--appendonly", "no"]
+        command += ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                    "--logfile", str(self.dir / "redis.log"), *self.args]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)
         if self._check_ready:
@@ -133,10 +135,12 @@ class RedisServer:
 class RedisClusterProcesses:
     """Own six redis-server processes joined as 3 primaries with one replica each."""
 
-    def __init__(self, *args: str, node_timeout_ms: int = 2000):
+    def __init__(self, *args: str, node_timeout_ms: int = 2000,
+                 config_file: Path | None = None):
         self.dir = Path(tempfile.mkdtemp(prefix="r3cache-cluster-"))
         self.args = list(args)
         self.node_timeout_ms = node_timeout_ms
+        self.config_file = config_file
         self.nodes: list[RedisServer] = []
 
     @property
@@ -149,10 +153,11 @@ class RedisClusterProcesses:
             for i in range(6):
                 node_dir = self.dir / f"node{i}"
                 node_dir.mkdir()
-                self.nodes.append(RedisServer(
+                cluster_args = ([] if self.config_file else [
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", str(self.node_timeout_ms), *self.args,
-                    directory=node_dir,
+                    "--cluster-node-timeout", str(self.node_timeout_ms)])
+                self.nodes.append(RedisServer(
+                    *cluster_args, *self.args, directory=node_dir, config_file=self.config_file,
                 ).start())
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
             subprocess.run(
