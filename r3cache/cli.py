@@ -128,6 +128,55 @@ def _run_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _block_parser(sub: argparse._SubParsersAction) -> None:
+    block = sub.add_parser(
+        "block",
+        help="decode one stored block: header, TTL, holders and its rows",
+        description=(
+            "Read one block of routed experts by its KV block hash (the hex digest that "
+            "follows 'b:' in its Redis key) and print what it holds. --out saves the "
+            "rows, shape (block_size, num_layers, topk), as a .npy file."
+        ),
+    )
+    block.add_argument("url", help="redis://, rediss://, unix:// or redis+cluster:// URL")
+    block.add_argument("block_hash", help="the block's hash, as in r3:NS:b:{HASH}")
+    block.add_argument("--namespace", required=True)
+    block.add_argument("--out", help="write the rows to this .npy file")
+    block.set_defaults(func=_run_block)
+
+
+def _run_block(args: argparse.Namespace) -> int:
+    from r3cache.codec import read_header
+    from r3cache.store.redis_connect import open_redis_store
+
+    store = open_redis_store(args.url, layout=None, namespace=args.namespace,
+                             lease=False, janitor=False)
+    try:
+        key = store.keys.block(args.block_hash)
+        client = store.client_for(key)
+        value = client.get(key)
+        holders = client.hgetall(store.keys.refs(args.block_hash))
+        ttl = client.pttl(key)
+        if value is None:
+            print(f"no block {args.block_hash} in namespace {args.namespace!r}")
+            return 1
+        header = read_header(value, args.block_hash)
+        rows = store.get_concatenated([args.block_hash])
+    finally:
+        store.close()
+    print(f"key       {key.decode()}")
+    print(f"layout    {header.fingerprint}")
+    print(f"codec     {header.codec_name}, {len(value)} bytes stored, {header.raw_len} raw")
+    print(f"ttl       {'none (pinned)' if ttl == -1 else f'{ttl / 1000:.1f} s'}")
+    print("holders   " + (", ".join(f"{o.decode()}={int(n)}" for o, n in holders.items())
+                         or "none"))
+    print(f"rows      {rows.shape} {rows.dtype}; token 0, layer 0: {rows[0, 0].tolist()}")
+    if args.out:
+        np.save(args.out, rows)
+        print(f"saved     {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="r3cache",
@@ -136,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
     _gc_parser(sub)
+    _block_parser(sub)
     return parser
 
 
