@@ -9,11 +9,15 @@ from r3cache.connector import (
     WorkerConnector,
 )
 from r3cache.layout import RoutingLayout
+from r3cache.manifest import Completion
+from r3cache.reader import R3Reader
 from r3cache.store import BlockStore, open_store
 
 __all__ = [
     "BlockStore",
+    "Completion",
     "PendingOutput",
+    "R3Reader",
     "RequestOutput",
     "RoutingLayout",
     "SchedulerConnector",

@@ -122,7 +122,8 @@ def _run_gc(args: argparse.Namespace) -> int:
             store.close()
         print(f"{namespace}: {len(report.live_owners)} live owner(s), "
               f"{len(report.dead_owners)} dead owner(s) reclaimed, "
-              f"{report.holds_dropped} hold(s) dropped")
+              f"{report.holds_dropped} hold(s) dropped, "
+              f"{report.manifests_expired} expired manifest(s) released")
         for owner in report.dead_owners:
             print(f"  reclaimed {owner}")
     return 0

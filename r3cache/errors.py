@@ -82,6 +82,17 @@ class BlockNotFoundError(StoreError, KeyError):
         return str(self.args[0])
 
 
+class ManifestNotFoundError(BlockNotFoundError):
+    """Requests have no manifest: never finished, released, expired, or another namespace."""
+
+    def __init__(self, request_ids: Iterable[str], *, namespace: str | None = None) -> None:
+        super().__init__(
+            [f"manifest:{r}" for r in request_ids], namespace=namespace, request_ids=request_ids,
+            cause="the request never finished with a completion, or its manifest was "
+            "released or expired",
+        )
+
+
 class CorruptBlockError(StoreError):
     """Stored bytes under a block key are not a valid block of this layout."""
 

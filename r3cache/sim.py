@@ -102,6 +102,7 @@ class SimConfig:
     async_depth: int = 2
     prefix_caching: bool = True
     reset_prefix_cache_when_idle: bool = False
+    keep_manifests: bool = False  # leave them for a trainer instead of releasing after checks
     max_steps: int = 200_000
     seed: int = 0
 
@@ -120,6 +121,8 @@ class SimReport:
     rejected_tokens: int = 0
     blocks_published: int = 0
     blocks_read: int = 0
+    manifests_verified: int = 0
+    unrecorded: int = 0  # finished while preempted: no manifest (the scheduler cannot record)
     step_seconds: list[float] = field(default_factory=list)
     store_stats: StoreStats | None = None
     failures: list[str] = field(default_factory=list)
@@ -148,6 +151,7 @@ class _Req:
         self.started = False
         self.finished = False
         self.preempted_step = -1
+        self.recorded = False  # finished with a manifest
         self.outputs: list[RequestOutput] = []
 
 
@@ -272,6 +276,7 @@ class Engine:
                 self.report.step_seconds.append(spent)
             if (self.config.reset_prefix_cache_when_idle and not self.running
                     and not inflight and self.kv.cached):
+                self.worker.begin_step(self.scheduler.build_step_metadata())  # finishes first
                 self.kv.reset()
                 self.scheduler.reset_prefix_cache()
                 self.report.resets += 1
@@ -437,13 +442,16 @@ class Engine:
 
     def _finish(self, req: _Req) -> None:
         req.finished = True
-        if req in self.running:
+        registered = req in self.running
+        if registered:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+            self.report.unrecorded += 1
         self.kv.release(req.kv_blocks)
         req.kv_blocks = []
-        self.scheduler.finish_request(req.id)
+        self.scheduler.finish_request(req.id, num_tokens=req.total if registered else None)
+        req.recorded = registered
 
     def _verify(self, everyone: list[_Req]) -> None:
         report = self.report
@@ -470,11 +478,32 @@ class Engine:
                         f"{req.id}: row for position {req.spec.prompt_start + bad} differs")
                 else:
                     report.rows_verified += len(got)
+        self._verify_manifests(everyone)
         if self.worker.num_requests:
             report.failures.append(f"worker still holds {self.worker.num_requests} request(s)")
         stats = self.worker.store.stats()
         if stats.referenced_keys:
             report.failures.append(f"store still pins {stats.referenced_keys} key(s)")
+
+
+    def _verify_manifests(self, everyone: list[_Req]) -> None:
+        """Read every recorded request back as a trainer would: byte-identical rows."""
+        from r3cache.reader import R3Reader
+
+        recorded = [r for r in everyone if r.recorded]
+        if not recorded:
+            return
+        reader = R3Reader(self.worker.store)
+        stored = reader.get_many([r.id for r in recorded])
+        for req, rows in zip(recorded, stored):
+            online = (np.concatenate([o.rows for o in req.outputs]) if req.outputs
+                      else self.layout.empty_rows())
+            if rows.shape != online.shape or rows.tobytes() != online.tobytes():
+                self.report.failures.append(f"{req.id}: manifest rows differ from online rows")
+            else:
+                self.report.manifests_verified += 1
+        if not self.config.keep_manifests:
+            reader.release(*(r.id for r in recorded))
 
 
 def simulate(

@@ -64,3 +64,28 @@ def test_a_prefix_cache_reset_bumps_the_generation_and_reregisters_live_requests
     md = s.build_step_metadata()
     assert md.generation == 1 and dict(md.requests) == {"a": 5}
     assert list(md.block_hashes["a"]) == [b"h0"]
+
+
+def test_a_reset_waits_for_pending_finishes_to_reach_the_worker():
+    s = SchedulerConnector()
+    s.add_request("a")
+    s.build_step_metadata()
+    s.finish_request("a", num_tokens=5)
+    with pytest.raises(MetadataError, match="send the step metadata"):
+        s.reset_prefix_cache()
+    md = s.build_step_metadata()
+    assert dict(md.completions) == {"a": (0, 5)}
+    s.reset_prefix_cache()
+    assert s.build_step_metadata().generation == 1
+
+
+def test_completions_need_a_registered_request_and_a_sane_token_count():
+    s = SchedulerConnector()
+    s.add_request("a", prompt_start=4)
+    s.build_step_metadata()
+    with pytest.raises(MetadataError, match="end before its prompt_start"):
+        s.finish_request("a", num_tokens=4)
+    s.preempt_request("a")
+    s.build_step_metadata()
+    with pytest.raises(MetadataError, match="while preempted"):
+        s.finish_request("a", num_tokens=9)

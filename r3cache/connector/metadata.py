@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from r3cache.manifest import Completion
+
 BlockHash = bytes | str | int
 
 
@@ -27,12 +29,15 @@ class StepMetadata:
     ``requests`` maps a request that (re)starts on the worker to its emit start:
     the first token position whose routed experts it is still owed.
     ``block_hashes`` holds only hashes not sent before, in block order.
+    ``finished_requests`` are torn down (finished, aborted or preempted); those also
+    in ``completions`` finished for good, and their routes become a manifest.
     """
 
     generation: int = 0
     requests: Mapping[str, int] = field(default_factory=dict)
     block_hashes: Mapping[str, Sequence[BlockHash]] = field(default_factory=dict)
     finished_requests: Collection[str] = ()
+    completions: Mapping[str, Completion] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.requests or self.block_hashes or self.finished_requests)

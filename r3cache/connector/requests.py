@@ -6,6 +6,7 @@ import numpy as np
 
 from r3cache.errors import MetadataError
 from r3cache.layout import RoutingLayout
+from r3cache.manifest import Completion
 
 NO_CURSOR = -1
 
@@ -35,6 +36,8 @@ class RequestTable:
         self.keys: list[list[str]] = []
         # Full blocks whose hash has not arrived: slot -> {block index: rows}.
         self.unkeyed: dict[int, dict[int, np.ndarray]] = {}
+        # Finished requests whose teardown writes a manifest: slot -> its extent.
+        self.completion: dict[int, Completion] = {}
         self._free: list[int] = []
         self.capture = np.empty(0, np.int64)
         self.scheduled = np.empty(0, np.int64)
@@ -94,6 +97,7 @@ class RequestTable:
             self.req_id[slot] = None
             self.keys[slot] = []
             self.unkeyed.pop(slot, None)
+            self.completion.pop(slot, None)
             self._free.append(slot)
 
     def live_slots(self) -> list[int]:

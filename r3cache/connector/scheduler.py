@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 from r3cache.connector.metadata import BlockHash, RequestOutput, StepMetadata
 from r3cache.errors import MetadataError
+from r3cache.manifest import Completion
 
 
 @dataclass
 class _SchedulerRequest:
+    prompt_start: int
     emit_start: int  # where the request's owed rows resume on (re)registration
     hashes: list[BlockHash]
     hashes_sent: int = 0
@@ -27,6 +29,7 @@ class SchedulerConnector:
         # Requests with hashes to send; finished ones stay until their hashes went out.
         self._hash_updates: dict[str, _SchedulerRequest] = {}
         self._finished: list[str] = []
+        self._completions: dict[str, Completion] = {}
 
     def add_request(
         self, req_id: str, *, prompt_start: int = 0, block_hashes: Sequence[BlockHash] = ()
@@ -36,7 +39,8 @@ class SchedulerConnector:
             raise MetadataError(f"request {req_id!r} was already added")
         if prompt_start < 0:
             raise MetadataError(f"request {req_id!r}: prompt_start must be >= 0")
-        self._requests[req_id] = _SchedulerRequest(prompt_start, list(block_hashes))
+        self._requests[req_id] = _SchedulerRequest(prompt_start, prompt_start,
+                                                   list(block_hashes))
         self._register(req_id)
 
     def update_block_hashes(self, req_id: str, block_hashes: Sequence[BlockHash]) -> None:
@@ -69,17 +73,34 @@ class SchedulerConnector:
         if not self._state(req_id).registered:
             self._register(req_id)
 
-    def finish_request(self, req_id: str) -> None:
-        state = self._requests.pop(req_id, None)
-        if state is None:
-            raise MetadataError(f"request {req_id!r} is not known to the scheduler connector")
+    def finish_request(self, req_id: str, *, num_tokens: int | None = None) -> None:
+        """The request ended. With ``num_tokens`` (prompt and output tokens) it finished
+        for good and its routes become a manifest; without, it was aborted."""
+        state = self._state(req_id)
+        if num_tokens is not None:
+            if num_tokens - 1 < state.prompt_start:
+                raise MetadataError(f"request {req_id!r}: {num_tokens} tokens end before its "
+                                    f"prompt_start {state.prompt_start}")
+            if not state.registered:
+                raise MetadataError(f"request {req_id!r} finished while preempted; resume "
+                                    "it first so its routes can be recorded")
+            self._completions[req_id] = Completion(state.prompt_start, num_tokens)
+        del self._requests[req_id]
         if state.registered:
             self._unregister(req_id, state)
 
     def reset_prefix_cache(self) -> None:
-        """Start a new generation: the worker releases everything; live requests re-register."""
+        """Start a new generation: the worker releases everything; live requests re-register.
+
+        Finished requests must reach the worker first (their manifests belong to the
+        old generation): build and send the pending step metadata before resetting.
+        """
+        if self._finished or self._completions:
+            raise MetadataError(
+                f"{len(self._finished)} finished request(s) not yet sent to the worker; "
+                "send the step metadata before resetting the prefix cache"
+            )
         self.generation += 1
-        self._finished.clear()
         self._hash_updates.clear()
         for req_id, state in self._requests.items():
             if state.registered:
@@ -93,10 +114,12 @@ class SchedulerConnector:
         for rid, state in self._hash_updates.items():
             hashes[rid] = state.hashes[state.hashes_sent :]
             state.hashes_sent = len(state.hashes)
-        metadata = StepMetadata(self.generation, requests, hashes, tuple(self._finished))
+        metadata = StepMetadata(self.generation, requests, hashes, tuple(self._finished),
+                                dict(self._completions))
         self._to_register.clear()
         self._hash_updates.clear()
         self._finished.clear()
+        self._completions.clear()
         return metadata
 
     def _register(self, req_id: str) -> None:
@@ -110,8 +133,9 @@ class SchedulerConnector:
     def _unregister(self, req_id: str, state: _SchedulerRequest) -> None:
         state.registered = False
         if self._to_register.pop(req_id, 0) is None:
-            # Never reached the worker: nothing to tear down there.
+            # Never reached the worker: nothing to tear down or record there.
             self._hash_updates.pop(req_id, None)
+            self._completions.pop(req_id, None)
             return
         # Unsent hashes still go out with the teardown: the KV prefix cache keeps
         # those blocks, so the worker must publish their rows before releasing them.

@@ -20,6 +20,7 @@ from r3cache.errors import (
     MetadataError,
 )
 from r3cache.layout import RoutingLayout
+from r3cache.manifest import BlockRef, Manifest
 from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore
 
@@ -32,6 +33,7 @@ class WorkerStats:
     rows_captured: int = 0
     blocks_published: int = 0
     blocks_read: int = 0  # blocks read back from the store to serve prefix hits
+    manifests: int = 0  # finished requests recorded for offline read-back
 
 
 class PendingOutput:
@@ -156,15 +158,19 @@ class WorkerConnector:
                 table.nkeys[slot] += len(keys)
                 retain.extend(keys)
                 self._collect_keyed(slot, objects)
+            unfinished = metadata.completions.keys() - set(metadata.finished_requests)
+            if unfinished:
+                raise MetadataError(f"completions for requests that did not finish: "
+                                    f"{sorted(unfinished)}")
             teardown: list[int] = []
             for req_id in metadata.finished_requests:
                 slot = table.lookup(req_id)
                 table.finished[slot] = True
+                if req_id in metadata.completions:
+                    table.completion[slot] = metadata.completions[req_id]
                 if not table.inflight[slot]:
                     teardown.append(slot)
-                    release.extend(reversed(table.keys[slot]))
-            self._put(objects, retain, release)
-            table.free(teardown)
+            self._teardown(teardown, objects, retain, release)
 
     def _register(self, req_id: str, emit_start: int) -> None:
         table = self._table
@@ -191,10 +197,33 @@ class WorkerConnector:
         for index in [i for i in waiting if i < len(keys)]:
             objects[keys[index]] = waiting.pop(index)
 
-    def _put(self, objects, retain=(), release=()) -> None:
-        if objects or retain or release:
-            self.store.put(objects, retain, release)
+    def _put(self, objects, retain=(), release=(), manifests=()) -> None:
+        if objects or retain or release or manifests:
+            self.store.put(objects, retain, release, manifests)
             self.stats.blocks_published += len(objects)
+            self.stats.manifests += len(manifests)
+
+    def _teardown(self, slots: list[int], objects=None, retain=(), release=()) -> None:
+        """Record finished requests' manifests, release their keys tail first, free them.
+
+        One store call, so the manifests hold their blocks before the request lets go.
+        """
+        table = self._table
+        manifests = [self._manifest(s) for s in slots if s in table.completion]
+        release = [*release, *(k for s in slots for k in reversed(table.keys[s]))]
+        self._put(objects or {}, retain, release, manifests)
+        table.free(slots)
+
+    def _manifest(self, slot: int) -> Manifest:
+        completion = self._table.completion[slot]
+        segments: list = []
+        if completion.num_rows:
+            parts = self._sources(slot, completion.prompt_start, completion.num_tokens - 1, {})
+            for source, a, b in parts:
+                # Tail rows are copied: the buffer is reused by the next request in the slot.
+                segments.append(BlockRef(source, a, b) if isinstance(source, str)
+                                else source[a:b].copy())
+        return Manifest(self._table.req_id[slot], self.layout.fingerprint, completion, segments)
 
     # -- model runner output ------------------------------------------------------
 
@@ -266,9 +295,7 @@ class WorkerConnector:
                 table.inflight[slots] -= 1
                 done = slots[(table.inflight[slots] == 0) & table.finished[slots]].tolist()
                 if done:
-                    release = [k for s in done for k in reversed(table.keys[s])]
-                    self._put({}, (), release)
-                    table.free(done)
+                    self._teardown(done)
         return outputs
 
     def _commit(self, pending: PendingOutput) -> dict[str, RequestOutput]:
@@ -401,31 +428,18 @@ class WorkerConnector:
         The whole batch was published first, so a consumer may read a block that a
         producer completed earlier in the same batch.
         """
-        table = self._table
         bs = self.layout.block_size
         plans = []
         store_keys: list[str] = []
         for i in later.tolist():
-            slot = int(pending.slots[i])
-            lo, hi = int(emit[i]), int(end[i])
             parts = []
-            for j in range(lo // bs, (hi - 1) // bs + 1):
-                a, b = max(lo, j * bs) - j * bs, min(hi, (j + 1) * bs) - j * bs
-                block = own.get((slot, j))
-                if block is None:
-                    block = table.unkeyed.get(slot, {}).get(j)
-                if block is None and j == hi // bs and j * bs + a >= table.owned_from[slot]:
-                    block = table.tail[slot]
-                if block is None:
-                    if j >= table.nkeys[slot]:
-                        raise CursorError(
-                            f"request {pending.req_ids[i]!r}: rows {j * bs + a}..{j * bs + b} "
-                            "are neither captured nor backed by a block hash"
-                        )
-                    block = len(store_keys)
-                    store_keys.append(table.keys[slot][j])
-                parts.append((block, a, b))
-            plans.append((i, lo, parts))
+            for source, a, b in self._sources(int(pending.slots[i]), int(emit[i]), int(end[i]),
+                                              own, pending.req_ids[i]):
+                if isinstance(source, str):
+                    store_keys.append(source)
+                    source = len(store_keys) - 1
+                parts.append((source, a, b))
+            plans.append((i, int(emit[i]), parts))
         stored = self._read_store(store_keys, pending, plans)
         for i, lo, parts in plans:
             pieces = [
@@ -433,6 +447,38 @@ class WorkerConnector:
                 for p, a, b in parts
             ]
             outputs[pending.req_ids[i]] = RequestOutput(lo, np.concatenate(pieces))
+
+    def _sources(self, slot: int, lo: int, hi: int, own, req_id: str | None = None
+                 ) -> list[tuple[np.ndarray | str, int, int]]:
+        """Where rows ``[lo, hi)`` of a request are: per block (rows, start, stop).
+
+        Rows come from blocks completed this step, then unkeyed blocks, then the
+        tail buffer (rows this incarnation captured), and otherwise from the store:
+        the block's key stands in for rows it holds.
+        """
+        table = self._table
+        bs = self.layout.block_size
+        capture = int(table.capture[slot])
+        owned = int(table.owned_from[slot])
+        unkeyed = table.unkeyed.get(slot, {})
+        parts: list[tuple[np.ndarray | str, int, int]] = []
+        for j in range(lo // bs, (hi - 1) // bs + 1):
+            a, b = max(lo, j * bs) - j * bs, min(hi, (j + 1) * bs) - j * bs
+            source = own.get((slot, j))
+            if source is None:
+                source = unkeyed.get(j)
+            if (source is None and capture >= 0 and j == capture // bs
+                    and owned <= j * bs + a and j * bs + b <= capture):
+                source = table.tail[slot]
+            if source is None:
+                if j >= table.nkeys[slot]:
+                    raise CursorError(
+                        f"request {req_id or table.req_id[slot]!r}: rows {j * bs + a}.."
+                        f"{j * bs + b} are neither captured nor backed by a block hash"
+                    )
+                source = table.keys[slot][j]
+            parts.append((source, a, b))
+        return parts
 
     def _read_store(self, keys: list[str], pending, plans) -> np.ndarray:
         if not keys:

@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from r3cache.errors import StoreClosedError, WriterError
+from r3cache.manifest import Manifest
 from r3cache.store.base import BlockStore, StoreStats
 
 DEFAULT_MAX_PENDING = 512
@@ -41,10 +42,19 @@ class BackgroundBlockStore:
         objects: Mapping[str, np.ndarray],
         retain_keys: Collection[str] = (),
         release_keys: Sequence[str] = (),
+        manifests: Sequence[Manifest] = (),
     ) -> None:
         self._check()
-        if objects or retain_keys or release_keys:
-            self._queue.put((objects, retain_keys, release_keys))
+        if objects or retain_keys or release_keys or manifests:
+            self._queue.put((objects, retain_keys, release_keys, manifests))
+
+    def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
+        self.flush()
+        return self.inner.get_manifests(request_ids)
+
+    def release_manifests(self, request_ids: Sequence[str]) -> int:
+        self.flush()
+        return self.inner.release_manifests(request_ids)
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         self.flush()

@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from r3cache.layout import RoutingLayout
+from r3cache.manifest import Manifest
 
 
 @dataclass(frozen=True)
@@ -24,16 +25,17 @@ class StoreStats:
     duplicate_puts: int  # puts of a key already stored with the same rows
     conflicts: int  # puts of a key already stored with different rows
     evictions: int  # unreferenced blocks dropped to make room
+    manifests: int = 0  # request manifests stored
 
 
 @runtime_checkable
 class BlockStore(Protocol):
     """Own immutable blocks of routed-expert rows under string keys, with per-key pins.
 
-    ``put`` applies, in this order and atomically per call: ``retain_keys`` (pin,
-    even before a key is written), ``objects`` (first writer wins), then
-    ``release_keys`` (unpin; a key whose last pin goes becomes evictable, in the
-    order given).
+    ``put`` applies, in this order: ``retain_keys`` (pin, even before a key is
+    written), ``objects`` (first writer wins), ``manifests`` (each holds the blocks
+    it names, as its own owner, until released), then ``release_keys`` (unpin; a
+    key whose last pin goes becomes evictable, in the order given).
     """
 
     layout: RoutingLayout
@@ -44,7 +46,16 @@ class BlockStore(Protocol):
         objects: Mapping[str, np.ndarray],
         retain_keys: Collection[str] = (),
         release_keys: Sequence[str] = (),
+        manifests: Sequence[Manifest] = (),
     ) -> None: ...
+
+    def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
+        """The manifests of ``request_ids`` (None where there is none)."""
+        ...
+
+    def release_manifests(self, request_ids: Sequence[str]) -> int:
+        """Delete manifests and drop their holds; returns how many existed."""
+        ...
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         """Rows of ``keys`` in order, shape ``(len(keys) * block_size, L, K)``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from r3cache.store.redis_scripts import RECLAIM_SCRIPT
@@ -16,6 +17,7 @@ class JanitorReport:
     live_owners: tuple[str, ...]
     dead_owners: tuple[str, ...]
     holds_dropped: int
+    manifests_expired: int = 0
 
 
 def scan_keys(store, pattern: bytes) -> list[bytes]:
@@ -51,7 +53,19 @@ def reclaim_dead_owners(store) -> JanitorReport:
         owners_key = store.keys.owners
         store.client_for(owners_key).hdel(owners_key, *dead)
     live = tuple(o for o, alive in liveness.items() if alive)
-    return JanitorReport(live, tuple(dead), dropped)
+    return JanitorReport(live, tuple(dead), dropped, expire_manifests(store))
+
+
+def expire_manifests(store) -> int:
+    """Release manifests past their expiry (the trainer never released them)."""
+    index = store.keys.manifest_index
+    expired = store.client_for(index).zrangebyscore(index, "-inf", time.time())
+    if not expired:
+        return 0
+    store.release_manifests([r.decode() for r in expired])
+    # Index entries whose manifest is already gone are dropped as well.
+    store.client_for(index).zrem(index, *expired)
+    return len(expired)
 
 
 def drop_holds(store, owners: list[str], refs: list[bytes]) -> int:

@@ -10,6 +10,7 @@ import numpy as np
 
 from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreClosedError, StoreFullError
 from r3cache.layout import RoutingLayout
+from r3cache.manifest import Manifest
 from r3cache.store.base import StoreStats
 
 DEFAULT_MAX_BYTES = 1 << 30
@@ -34,6 +35,7 @@ class MemoryBlockStore:
         self._idle: OrderedDict[str, None] = OrderedDict()
         self._idle_bytes = 0
         self._used = 0
+        self._manifests: dict[str, Manifest] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._written = self._duplicates = self._conflicts = self._evictions = 0
@@ -43,6 +45,7 @@ class MemoryBlockStore:
         objects: Mapping[str, np.ndarray],
         retain_keys: Collection[str] = (),
         release_keys: Sequence[str] = (),
+        manifests: Sequence[Manifest] = (),
     ) -> None:
         for key, rows in objects.items():
             if rows.shape != self.layout.block_shape or rows.dtype != self.layout.dtype:
@@ -53,11 +56,10 @@ class MemoryBlockStore:
         with self._lock:
             self._check_open()
             new = {k: v for k, v in objects.items() if k not in self._blocks}
-            self._reserve(sum(v.nbytes for v in new.values()), retain_keys)
+            pinned = [*retain_keys, *(k for m in manifests for k in m.block_keys)]
+            self._reserve(sum(v.nbytes for v in new.values()), pinned)
             for key in retain_keys:
-                self._refs[key] = self._refs.get(key, 0) + 1
-                if self._idle.pop(key, 0) is None:
-                    self._idle_bytes -= self._blocks[key].nbytes
+                self._retain(key)
             for key, rows in objects.items():
                 if key in new:
                     self._insert(key, rows)
@@ -66,8 +68,26 @@ class MemoryBlockStore:
                 else:
                     # Immutable: the first writer wins; the caller reads its own rows.
                     self._conflicts += 1
+            for manifest in manifests:
+                self._manifests[manifest.request_id] = manifest
+                for key in manifest.block_keys:
+                    self._retain(key)
             for key in release_keys:
                 self._release(key)
+
+    def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
+        with self._lock:
+            self._check_open()
+            return [self._manifests.get(r) for r in request_ids]
+
+    def release_manifests(self, request_ids: Sequence[str]) -> int:
+        with self._lock:
+            self._check_open()
+            found = [self._manifests.pop(r) for r in request_ids if r in self._manifests]
+            for manifest in found:
+                for key in reversed(manifest.block_keys):
+                    self._release(key)
+            return len(found)
 
     def _reserve(self, nbytes: int, retain_keys: Collection[str]) -> None:
         """Evict idle blocks until ``nbytes`` fit, or raise before changing anything."""
@@ -102,6 +122,11 @@ class MemoryBlockStore:
         self._written += 1
         if not self._refs.get(key):
             self._make_idle(key)
+
+    def _retain(self, key: str) -> None:
+        self._refs[key] = self._refs.get(key, 0) + 1
+        if self._idle.pop(key, 0) is None:
+            self._idle_bytes -= self._blocks[key].nbytes
 
     def _release(self, key: str) -> None:
         count = self._refs.get(key, 0)
@@ -148,6 +173,7 @@ class MemoryBlockStore:
                 duplicate_puts=self._duplicates,
                 conflicts=self._conflicts,
                 evictions=self._evictions,
+                manifests=len(self._manifests),
             )
 
     def close(self) -> None:
@@ -156,6 +182,7 @@ class MemoryBlockStore:
             self._blocks.clear()
             self._refs.clear()
             self._idle.clear()
+            self._manifests.clear()
             self._idle_bytes = self._used = 0
 
     def _check_open(self) -> None:

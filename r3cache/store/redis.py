@@ -24,18 +24,30 @@ from r3cache.errors import (
     StoreClosedError,
 )
 from r3cache.layout import RoutingLayout
+from r3cache.manifest import BlockRef, Manifest
 from r3cache.store.base import StoreStats
 from r3cache.store.redis_errors import redis_errors
-from r3cache.store.redis_keys import NAMESPACES_KEY, KeySchema, check_name
+from r3cache.store.redis_keys import NAMESPACES_KEY, KeySchema, check_name, manifest_owner
 from r3cache.store.redis_nodes import CHUNK, ClusterNodes, SingleNode, execute
-from r3cache.store.redis_scripts import HOLDS_SCRIPT, OPEN_NAMESPACE_SCRIPT, SCRIPTS
+from r3cache.store.redis_scripts import (
+    HOLDS_SCRIPT,
+    OPEN_NAMESPACE_SCRIPT,
+    REPLACE_HASH_SCRIPT,
+    SCRIPTS,
+)
 
 HASH_ALGO = "sha256"
 DEFAULT_IDLE_TTL = 86_400.0
 DEFAULT_LEASE_TTL = 30.0
+DEFAULT_MANIFEST_TTL = 7 * 86_400.0
 _OWN_ROWS_LIMIT = 4096
 _WRITE_CHUNK = 64  # keys per write group: small, so encoding overlaps the server's work
 _READ_CHUNK = 64
+
+
+def _pairs(reply) -> dict:
+    """HGETALL's reply as a dict, whether the parser gave a dict or a flat list."""
+    return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
 
 
 def default_owner() -> str:
@@ -53,6 +65,7 @@ class RedisOptions:
     retries: int = 3
     janitor: bool = True
     lease: bool = True  # False: an admin or reader handle that holds nothing
+    manifest_ttl: float = DEFAULT_MANIFEST_TTL
 
 
 class _KeyOps:
@@ -115,13 +128,26 @@ class RedisBlockStore:
         objects: Mapping[str, np.ndarray],
         retain_keys: Collection[str] = (),
         release_keys: Sequence[str] = (),
+        manifests: Sequence[Manifest] = (),
     ) -> None:
         self._check_open()
-        if (retain_keys or release_keys) and self._lease is None:
+        if (retain_keys or release_keys or manifests) and self._lease is None:
             raise ContractError("a store opened with lease=False cannot hold blocks")
-        ops: dict[str, _KeyOps] = {}
         for key, rows in objects.items():
             self.layout.check_rows(rows, f"block {key!r}")  # before anything is sent
+        with redis_errors(self.namespace, "writing blocks"):
+            if not manifests:
+                self._write(objects, retain_keys, release_keys)
+                return
+            # Manifests hold their blocks before the engine releases them.
+            self._write(objects, retain_keys, ())
+            self._record(manifests)
+            self._write({}, (), release_keys)
+
+    def _write(self, objects, retain_keys, release_keys) -> None:
+        """One round: this owner's retains, the blocks' bytes, its releases."""
+        ops: dict[str, _KeyOps] = {}
+        for key, rows in objects.items():
             ops.setdefault(key, _KeyOps()).rows = rows
         for key in retain_keys:
             ops.setdefault(key, _KeyOps()).retain += 1
@@ -134,15 +160,93 @@ class RedisBlockStore:
         self._track_holds(retain_keys, release_keys)
         names = list(ops)
         block_keys = [self.keys.block(k) for k in names]
-        with redis_errors(self.namespace, "writing blocks"):
+        for indices, replies in self._execute(
+            block_keys, lambda idx: self._write_commands(names, block_keys, ops, idx),
+            chunk=_WRITE_CHUNK,
+        ):
+            written = [i for i in indices if ops[names[i]].rows is not None]
+            offset = 1 if any(ops[names[i]].retain for i in indices) else 0
+            for i, old in zip(written, replies[offset:]):
+                self._count(names[i], ops[names[i]], old)
+
+    def _record(self, manifests: Sequence[Manifest]) -> None:
+        """Two rounds: each manifest's holds on its blocks, then the manifests themselves."""
+        expires = time.time() + self.options.manifest_ttl
+        pairs = [(manifest_owner(m.request_id), k) for m in manifests
+                 for k in dict.fromkeys(m.block_keys)]
+        refs = [self.keys.block(k) for _, k in pairs]
+
+        def holds(indices):
+            by_owner: dict[str, list] = {}
+            for i in indices:
+                owner, key = pairs[i]
+                by_owner.setdefault(owner, []).extend((refs[i], self.keys.refs(key), 1, 0, 0))
+            return [HOLDS_SCRIPT.command(owner, self._idle_ms, *args)
+                    for owner, args in by_owner.items()]
+
+        for _ in self._execute(refs, holds):
+            pass
+        records = [self._own_version(m) for m in manifests]
+        for record in records:
+            record.expires_at = expires
+        keys = [self.keys.manifest(m.request_id) for m in records] + [self.keys.manifest_index]
+
+        def write(indices):
+            commands = []
+            for i in indices:
+                if i == len(records):
+                    commands.append(("ZADD", keys[i], *(x for m in records
+                                                        for x in (expires, m.request_id))))
+                else:
+                    fields = records[i].to_fields(self.layout)
+                    commands.append(REPLACE_HASH_SCRIPT.command(
+                        keys[i], *(x for kv in fields.items() for x in kv)))
+            return commands
+
+        for _ in self._execute(keys, write):
+            pass
+
+    def _own_version(self, manifest: Manifest) -> Manifest:
+        """Inline this writer's rows where the stored block under a key is another's."""
+        with self._own_lock:
+            own = {k: self._own_rows[k] for k in manifest.block_keys if k in self._own_rows}
+        if not own:
+            return manifest
+        segments = [own[s.key][s.start:s.stop].copy()
+                    if isinstance(s, BlockRef) and s.key in own else s
+                    for s in manifest.segments]
+        return Manifest(manifest.request_id, manifest.fingerprint, manifest.completion, segments)
+
+    def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
+        self._check_open()
+        keys = [self.keys.manifest(r) for r in request_ids]
+        found: list[Manifest | None] = [None] * len(keys)
+        with redis_errors(self.namespace, "reading manifests"):
             for indices, replies in self._execute(
-                block_keys, lambda idx: self._write_commands(names, block_keys, ops, idx),
-                chunk=_WRITE_CHUNK,
-            ):
-                written = [i for i in indices if ops[names[i]].rows is not None]
-                offset = 1 if any(ops[names[i]].retain for i in indices) else 0
-                for i, old in zip(written, replies[offset:]):
-                    self._count(names[i], ops[names[i]], old)
+                    keys, lambda idx: [("HGETALL", keys[i]) for i in idx]):
+                for i, fields in zip(indices, replies):
+                    if fields:
+                        found[i] = Manifest.from_fields(request_ids[i], _pairs(fields),
+                                                        self.layout)
+        return found
+
+    def release_manifests(self, request_ids: Sequence[str]) -> int:
+        from r3cache.store.janitor import drop_holds
+
+        self._check_open()
+        manifests = [m for m in self.get_manifests(request_ids) if m is not None]
+        if not manifests:
+            return 0
+        with redis_errors(self.namespace, "releasing manifests"):
+            refs = list(dict.fromkeys(self.keys.refs(k) for m in manifests
+                                      for k in m.block_keys))
+            drop_holds(self, [manifest_owner(m.request_id) for m in manifests], refs)
+            keys = [self.keys.manifest(m.request_id) for m in manifests]
+            for _ in self._execute(keys, lambda idx: [("DEL", keys[i]) for i in idx]):
+                pass
+            index = self.keys.manifest_index
+            self.client_for(index).zrem(index, *(m.request_id for m in manifests))
+        return len(manifests)
 
     def _write_commands(self, names, block_keys, ops, indices) -> list[tuple]:
         """Retains, then ``SET NX GET`` of the encoded rows, then releases and TTL settling.
@@ -239,6 +343,7 @@ class RedisBlockStore:
         with redis_errors(self.namespace, "reading stats"):
             blocks = scan_keys(self, self.keys.blocks_pattern)
             refs = scan_keys(self, self.keys.refs_pattern)
+            manifests = scan_keys(self, self.keys.manifests_pattern)
             sizes = self.per_key(blocks, lambda k: ("STRLEN", k))
             mine = self.per_key(refs, lambda k: ("HEXISTS", k, self.owner))
         held = {self.keys.block_of_refs(r) for r in refs}
@@ -252,6 +357,7 @@ class RedisBlockStore:
             duplicate_puts=self._counts["duplicates"],
             conflicts=self._counts["conflicts"],
             evictions=0,
+            manifests=len(manifests),
         )
 
     def refcount(self, key: str) -> int:

@@ -26,7 +26,7 @@ def _flag(value: Any) -> bool:
 
 # Options r3cache reads itself; everything else goes to the redis-py client.
 _STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
-    "idle_ttl": float, "lease_ttl": float, "owner": str, "retries": int,
+    "idle_ttl": float, "lease_ttl": float, "manifest_ttl": float, "owner": str, "retries": int,
     "janitor": _flag, "lease": _flag,
 }
 _CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {

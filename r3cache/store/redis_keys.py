@@ -7,6 +7,8 @@
 ``r3:{ns}:lease:{owner}``          string with a TTL: the owner's heartbeat
 ``r3:{ns}:b:{<block hash>}``       string: one encoded block (codec header + lz4 payload)
 ``r3:{ns}:r:{<block hash>}``       hash: owner -> hold count; absent when nobody holds the block
+``r3:{ns}:m:{<request id>}``       hash: one finished request's manifest (see r3cache.manifest)
+``r3:{ns}:manifests``              sorted set: request id scored by its manifest's expiry time
 
 The block hash sits in braces, a Redis Cluster hash tag, so a block and its
 reference counts share one slot and one Lua call can change both atomically.
@@ -20,6 +22,11 @@ from r3cache.errors import ContractError
 
 NAMESPACES_KEY = b"r3:namespaces"
 _NAME = re.compile(r"^[A-Za-z0-9._@+/=-]{1,200}$")
+
+
+def manifest_owner(request_id: str) -> str:
+    """The owner name under which a request's manifest holds its blocks."""
+    return "m:" + request_id
 
 
 def check_name(value: str, what: str) -> str:
@@ -40,6 +47,9 @@ class KeySchema:
         self.meta = (base + "meta").encode()
         self.owners = (base + "owners").encode()
         self.refs_pattern = (base + "r:*").encode()
+        self.manifests_pattern = (base + "m:*").encode()
+        self.manifest_index = (base + "manifests").encode()
+        self._manifest = (base + "m:{").encode()
         self.blocks_pattern = (base + "b:*").encode()
         self._block = (base + "b:{").encode()
         self._refs = (base + "r:{").encode()
@@ -52,6 +62,9 @@ class KeySchema:
 
     def block_of_refs(self, refs_key: bytes) -> bytes:
         return self._block + refs_key[len(self._refs):]
+
+    def manifest(self, request_id: str) -> bytes:
+        return self._manifest + request_id.encode() + b"}"
 
     def lease(self, owner: str) -> bytes:
         return self._base + b"lease:" + owner.encode()

@@ -78,6 +78,13 @@ end
 return dropped
 """
 
+# ARGV: a hash key, then field/value pairs. Replaces the whole hash at once.
+REPLACE_HASH = _SHEBANG + """
+redis.call('DEL', ARGV[1])
+redis.call('HSET', unpack(ARGV))
+return 1
+"""
+
 # ARGV: meta key, then field/value pairs.
 # Creates the namespace metadata unless it exists; returns the stored fields.
 OPEN_NAMESPACE = _SHEBANG + """
@@ -104,6 +111,8 @@ class Script:
 
 HOLDS_SCRIPT = Script(HOLDS)
 READ_SCRIPT = Script(READ)
+REPLACE_HASH_SCRIPT = Script(REPLACE_HASH)
 RECLAIM_SCRIPT = Script(RECLAIM)
 OPEN_NAMESPACE_SCRIPT = Script(OPEN_NAMESPACE)
-SCRIPTS = {s.sha: s for s in (HOLDS_SCRIPT, READ_SCRIPT, RECLAIM_SCRIPT, OPEN_NAMESPACE_SCRIPT)}
+SCRIPTS = {s.sha: s for s in (HOLDS_SCRIPT, READ_SCRIPT, RECLAIM_SCRIPT, OPEN_NAMESPACE_SCRIPT,
+                                REPLACE_HASH_SCRIPT)}

@@ -1,0 +1,130 @@
+"""Manifest: the durable record of one finished request's routes, by reference to its blocks.
+
+A manifest covers positions ``[prompt_start, num_tokens - 1)`` as an ordered list of
+segments: a stored block (whole, or a slice of it) referenced by key, or rows held
+inline (a partial tail, a block that never got a hash, or a block whose stored bytes
+are another writer's). Inline rows are encoded with the block codec, so every byte of
+a manifest is checksummed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from r3cache import codec
+from r3cache.errors import CorruptBlockError, LayoutMismatchError
+from r3cache.layout import RoutingLayout
+
+FORMAT = "1"
+
+
+class Completion(NamedTuple):
+    """A finished request whose routes become a manifest: where they start, how many tokens."""
+
+    prompt_start: int
+    num_tokens: int
+
+    @property
+    def num_rows(self) -> int:
+        return max(self.num_tokens - 1 - self.prompt_start, 0)
+
+
+class BlockRef(NamedTuple):
+    """Rows ``start:stop`` of the stored block ``key``."""
+
+    key: str
+    start: int
+    stop: int
+
+
+Segment = BlockRef | np.ndarray
+
+
+@dataclass
+class Manifest:
+    """Own one request's route record: its layout, extent and segments in order."""
+
+    request_id: str
+    fingerprint: str
+    completion: Completion
+    segments: list[Segment] = field(default_factory=list)
+    expires_at: float = 0.0
+
+    @property
+    def block_keys(self) -> list[str]:
+        return [s.key for s in self.segments if isinstance(s, BlockRef)]
+
+    def to_fields(self, layout: RoutingLayout) -> dict[str, bytes | str]:
+        """The Redis hash fields of this manifest (readable with ``HGETALL``)."""
+        fields: dict[str, bytes | str] = {
+            "format": FORMAT,
+            "layout": self.fingerprint,
+            "prompt_start": str(self.completion.prompt_start),
+            "num_tokens": str(self.completion.num_tokens),
+            "expires_at": f"{self.expires_at:.3f}",
+        }
+        names = []
+        for i, segment in enumerate(self.segments):
+            if isinstance(segment, BlockRef):
+                names.append(f"{segment.key}:{segment.start}:{segment.stop}")
+            else:
+                names.append(f"#{i}")
+                fields[f"inline:{i}"] = codec.encode_rows(segment, layout)
+        fields["segments"] = " ".join(names)
+        return fields
+
+    @classmethod
+    def from_fields(cls, request_id: str, fields: dict[bytes, bytes],
+                    layout: RoutingLayout) -> Manifest:
+        """Parse HGETALL output; a malformed or tampered manifest raises CorruptBlockError."""
+        where = f"manifest of request {request_id!r}"
+        try:
+            text = {k.decode(): v for k, v in fields.items()}
+            if text["format"].decode() != FORMAT:
+                raise ValueError(f"format {text['format']!r}")
+            fingerprint = text["layout"].decode()
+            completion = Completion(int(text["prompt_start"]), int(text["num_tokens"]))
+            segments: list[Segment] = []
+            for name in text["segments"].decode().split():
+                if name.startswith("#"):
+                    key = f"{where}, inline segment {name[1:]}"
+                    segments.append(codec.decode_rows(text[f"inline:{name[1:]}"], layout, key))
+                else:
+                    key, start, stop = name.rsplit(":", 2)
+                    segments.append(BlockRef(key, int(start), int(stop)))
+            expires_at = float(text["expires_at"])
+        except CorruptBlockError:
+            raise
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            raise CorruptBlockError(where, f"malformed field ({exc})") from None
+        if fingerprint != layout.fingerprint:
+            raise LayoutMismatchError(
+                f"{where} was written for layout {fingerprint}, not {layout.fingerprint}")
+        manifest = cls(request_id, fingerprint, completion, segments, expires_at)
+        manifest.check_extent(layout)
+        return manifest
+
+    def check_extent(self, layout: RoutingLayout) -> None:
+        """Segments must cover exactly the rows the completion names."""
+        bs = layout.block_size
+        rows = 0
+        for segment in self.segments:
+            if isinstance(segment, BlockRef):
+                if not 0 <= segment.start < segment.stop <= bs:
+                    raise CorruptBlockError(f"manifest of request {self.request_id!r}",
+                                            f"block slice {segment.start}:{segment.stop}")
+                rows += segment.stop - segment.start
+            else:
+                rows += len(segment)
+        if rows != self.completion.num_rows:
+            raise CorruptBlockError(
+                f"manifest of request {self.request_id!r}",
+                f"segments hold {rows} rows, the request has {self.completion.num_rows}")
+
+
+def new_expiry(ttl: float) -> float:
+    return time.time() + ttl

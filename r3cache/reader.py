@@ -1,0 +1,164 @@
+"""R3Reader: offline read-back of finished requests' routes for training jobs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from r3cache.errors import (
+    BlockNotFoundError,
+    ContractError,
+    CorruptBlockError,
+    ManifestNotFoundError,
+)
+from r3cache.hashing import DEFAULT_SEED, block_hashes
+from r3cache.layout import RoutingLayout
+from r3cache.manifest import BlockRef, Manifest
+from r3cache.store.base import BlockStore
+
+
+class TokenLookup(NamedTuple):
+    """Routes of the longest stored prefix of full blocks of a token sequence."""
+
+    rows: np.ndarray  # (num_rows, layers, topk)
+    num_rows: int
+    num_blocks: int
+
+
+class R3Reader:
+    """Own a read handle on one namespace: manifests and blocks in, validated rows out.
+
+    ``R3Reader("redis://host:6379/0", namespace="model@v1")`` opens the namespace with
+    the layout it stores; it holds nothing and writes nothing but ``release``.
+    A store object (``open_store(...)``) may be passed instead of a URL.
+    """
+
+    def __init__(self, source: str | BlockStore, namespace: str | None = None,
+                 **options: Any) -> None:
+        if isinstance(source, str):
+            from r3cache.store import open_store
+
+            if namespace is None:
+                raise ContractError("R3Reader needs the namespace to read")
+            self.store = open_store(source, layout=None, namespace=namespace, lease=False,
+                                    janitor=False, **options)
+            self._owns_store = True
+        else:
+            self.store = source
+            self._owns_store = False
+        self.layout: RoutingLayout = self.store.layout
+        self.namespace = self.store.namespace
+
+    # -- numpy ----------------------------------------------------------------------
+
+    def get(self, request_id: str, *, dtype: Any = None,
+            layers: Sequence[int] | slice | None = None) -> np.ndarray:
+        """Routes of one request: ``(num_tokens - 1 - prompt_start, layers, topk)``."""
+        return self.get_many([request_id], dtype=dtype, layers=layers)[0]
+
+    def get_many(self, request_ids: Sequence[str], *, dtype: Any = None,
+                 layers: Sequence[int] | slice | None = None) -> list[np.ndarray]:
+        """Routes of many requests: one round for the manifests, one for all their blocks."""
+        request_ids = list(request_ids)
+        manifests = self.store.get_manifests(request_ids)
+        missing = [r for r, m in zip(request_ids, manifests) if m is None]
+        if missing:
+            raise ManifestNotFoundError(missing, namespace=self.namespace)
+        keys = list(dict.fromkeys(k for m in manifests for k in m.block_keys))
+        try:
+            blocks = self.store.get_concatenated(keys)
+        except BlockNotFoundError as exc:
+            lost = set(exc.keys)
+            owners = [m.request_id for m in manifests if lost.intersection(m.block_keys)]
+            raise BlockNotFoundError(exc.keys, namespace=self.namespace, request_ids=owners,
+                                     cause="a manifest names a block that is gone (evicted "
+                                     "or deleted by hand; manifests hold their blocks)") from exc
+        except CorruptBlockError as exc:
+            owners = [m.request_id for m in manifests if exc.key in m.block_keys]
+            raise CorruptBlockError(exc.key, f"{exc.reason} (in the routes of request(s) "
+                                    f"{', '.join(map(repr, owners))})") from exc
+        at = {k: i * self.layout.block_size for i, k in enumerate(keys)}
+        out = []
+        for manifest in manifests:
+            rows = self._assemble(manifest, blocks, at)
+            self._validate(manifest.request_id, rows, manifest.completion.num_rows)
+            out.append(_select(rows, dtype, layers))
+        return out
+
+    def _assemble(self, manifest: Manifest, blocks: np.ndarray, at: dict[str, int]) -> np.ndarray:
+        pieces = [blocks[at[s.key] + s.start : at[s.key] + s.stop] if isinstance(s, BlockRef)
+                  else s for s in manifest.segments]
+        if not pieces:
+            return self.layout.empty_rows()
+        return np.concatenate(pieces)
+
+    def _validate(self, request_id: str, rows: np.ndarray, num_rows: int) -> None:
+        where = f"routes of request {request_id!r}"
+        if rows.shape != (num_rows, *self.layout.row_shape):
+            raise CorruptBlockError(where, f"shape {rows.shape}, expected "
+                                    f"{(num_rows, *self.layout.row_shape)}")
+        if not len(rows):
+            return
+        if int(rows.max()) >= self.layout.num_experts or int(rows.min()) < 0:
+            raise CorruptBlockError(where, f"expert IDs outside 0..{self.layout.num_experts - 1}")
+        ordered = np.sort(rows, axis=-1)
+        if (ordered[..., 1:] == ordered[..., :-1]).any():
+            raise CorruptBlockError(where, "a row names the same expert twice")
+
+    # -- torch ----------------------------------------------------------------------
+
+    def get_torch(self, request_id: str, *, dtype: Any = None,
+                  layers: Sequence[int] | slice | None = None, device: Any = None):
+        """Routes as a torch tensor: int64 by default (Megatron-style gather indices);
+        pass ``dtype=torch.int32`` for slime/verl-style replay buffers."""
+        return self.get_many_torch([request_id], dtype=dtype, layers=layers, device=device)[0]
+
+    def get_many_torch(self, request_ids: Sequence[str], *, dtype: Any = None,
+                       layers: Sequence[int] | slice | None = None, device: Any = None):
+        import torch
+
+        dtype = torch.int64 if dtype is None else dtype
+        numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
+        return [torch.from_numpy(rows).to(device=device)
+                for rows in self.get_many(request_ids, dtype=numpy_dtype, layers=layers)]
+
+    # -- lifecycle and lookups --------------------------------------------------------
+
+    def release(self, *request_ids: str) -> int:
+        """Delete these requests' manifests and their holds; the blocks may then expire."""
+        return self.store.release_manifests(list(request_ids))
+
+    def get_by_tokens(self, token_ids: Sequence[int], *, dtype: Any = None,
+                      layers: Sequence[int] | slice | None = None, seed: str = DEFAULT_SEED,
+                      extra_keys_per_block: Sequence[tuple | None] | None = None) -> TokenLookup:
+        """Routes of the longest prefix of ``token_ids`` whose full blocks are all stored."""
+        keys = [h.hex() for h in block_hashes(token_ids, self.layout.block_size, seed=seed,
+                                              extra_keys_per_block=extra_keys_per_block)]
+        try:
+            rows = self.store.get_concatenated(keys)
+        except BlockNotFoundError as exc:
+            first = min(keys.index(k) for k in exc.keys)
+            keys = keys[:first]
+            rows = self.store.get_concatenated(keys)
+        self._validate("(by tokens)", rows, len(keys) * self.layout.block_size)
+        return TokenLookup(_select(rows, dtype, layers), len(rows), len(keys))
+
+    def close(self) -> None:
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> R3Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _select(rows: np.ndarray, dtype: Any, layers: Iterable[int] | slice | None) -> np.ndarray:
+    if layers is not None:
+        rows = rows[:, layers if isinstance(layers, slice) else list(layers)]
+    if dtype is not None and np.dtype(dtype) != rows.dtype:
+        rows = rows.astype(dtype)
+    return rows
