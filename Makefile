@@ -7,10 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench lint
 
+# torch is an extra: the CPU build (pinned, so no multi-GB CUDA build is pulled) goes in
+# only where the environment has none.
+TORCH_CPU ?= torch==2.13.0
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_CPU)"
 	touch $(STAMP)
 
 demo: $(STAMP)
