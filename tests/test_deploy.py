@@ -20,7 +20,8 @@ NODE_CONF = ROOT / "deploy" / "redis-cluster.conf"
 
 def _compose_command() -> list[str] | None:
     docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+    version = [docker, "compose", "version"]
+    if docker and subprocess.run(version, capture_output=True).returncode == 0:
         return [docker, "compose"]
     legacy = shutil.which("docker-compose")
     return [legacy] if legacy else None

@@ -202,8 +202,8 @@ def test_the_janitor_runs_when_a_store_opens_and_as_r3cache_gc(url, namespace):
     gc = subprocess.run([sys.executable, "-m", "r3cache.cli", "gc", url, "--namespace",
                          namespace], capture_output=True, text=True, timeout=60)
     assert gc.returncode == 0, gc.stderr
-    assert f"{namespace}: 0 live owner(s), 1 dead owner(s) reclaimed, 2 hold(s) dropped, 0 expired manifest(s) released" \
-        in gc.stdout
+    assert (f"{namespace}: 0 live owner(s), 1 dead owner(s) reclaimed, 2 hold(s) dropped, "
+            "0 expired manifest(s) released") in gc.stdout
     subprocess.run([sys.executable, "-c", CRASHING_OWNER, url, namespace],
                    capture_output=True, timeout=60, check=True)
     time.sleep(1.3)
