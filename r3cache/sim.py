@@ -125,6 +125,7 @@ class SimReport:
     unrecorded: int = 0  # finished while preempted: no manifest (the scheduler cannot record)
     step_seconds: list[float] = field(default_factory=list)
     store_stats: StoreStats | None = None
+    online: dict[str, np.ndarray] = field(default_factory=dict)  # rows each request received
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -469,6 +470,7 @@ class Engine:
             else:
                 got = (np.concatenate([o.rows for o in req.outputs]) if req.outputs
                        else self.layout.empty_rows())
+                report.online[req.id] = got
                 if got.shape != expected.shape:
                     report.failures.append(
                         f"{req.id}: {len(got)} rows, expected {len(expected)}")
@@ -496,9 +498,8 @@ class Engine:
         reader = R3Reader(self.worker.store)
         stored = reader.get_many([r.id for r in recorded])
         for req, rows in zip(recorded, stored):
-            online = (np.concatenate([o.rows for o in req.outputs]) if req.outputs
-                      else self.layout.empty_rows())
-            if rows.shape != online.shape or rows.tobytes() != online.tobytes():
+            online = self.report.online.get(req.id)
+            if online is None or rows.shape != online.shape or rows.tobytes() != online.tobytes():
                 self.report.failures.append(f"{req.id}: manifest rows differ from online rows")
             else:
                 self.report.manifests_verified += 1

@@ -199,3 +199,17 @@ def test_the_embedded_store_records_manifests_too():
     assert reader.release("a") == 1
     assert worker.store.stats().referenced_keys == 0
     worker.close()
+
+
+def test_a_trainer_in_a_fresh_process_reads_every_rollout_byte_for_byte(url, namespace):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "trainer_readback.py"
+    result = subprocess.run(
+        [sys.executable, str(script), url, "--namespace", namespace, "--prompts", "3",
+         "--samples", "4", "--layers", "6"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "12 manifests written" in result.stdout
+    assert "12 byte-identical, 0 different" in result.stdout
