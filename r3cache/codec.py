@@ -98,20 +98,29 @@ class BlockCodec:
             raise CorruptBlockError(key, "checksum mismatch")
         return np.frombuffer(raw, dtype=layout.dtype).reshape(-1, *layout.row_shape)
 
-    def decode_into(self, data: bytes, key: str, out: np.ndarray) -> None:
-        """Decode one whole block into ``out`` (``block_shape``), on the common path fast."""
-        at = self._offset - _CHECKSUM.size
-        codec = CODEC_LZ4 if data.startswith(self._full[CODEC_LZ4]) else CODEC_RAW
-        if not data.startswith(self._full[codec]):
+    def decode_into(self, data: bytes, key: str, out: memoryview, offset: int) -> None:
+        """Decode one whole block into the bytes ``out[offset:offset + block_nbytes]``.
+
+        The common path (a whole block of this layout) does one decompress, one
+        checksum and one copy; anything else goes through ``decode`` for its errors.
+        """
+        size = self.layout.block_nbytes
+        if data.startswith(self._full[CODEC_LZ4]):
+            codec = CODEC_LZ4
+        elif data.startswith(self._full[CODEC_RAW]):
+            codec = CODEC_RAW
+        else:
             rows = self.decode(data, key)  # raises the precise error, or is a partial block
-            if rows.shape != out.shape:
-                raise CorruptBlockError(key, f"holds {len(rows)} rows, a block has {len(out)}")
-            out[...] = rows
+            if rows.nbytes != size:
+                raise CorruptBlockError(
+                    key, f"holds {len(rows)} rows, a block has {self.layout.block_size}")
+            out[offset : offset + size] = rows.tobytes()
             return
-        raw = self._payload(data, self._offset, codec, self.layout.block_nbytes, key)
-        if _hash(raw, self._full_seed[codec]) != _CHECKSUM.unpack_from(data, at)[0]:
+        raw = self._payload(data, self._offset, codec, size, key)
+        if _hash(raw, self._full_seed[codec]) != _CHECKSUM.unpack_from(
+                data, self._offset - _CHECKSUM.size)[0]:
             raise CorruptBlockError(key, "checksum mismatch")
-        out[...] = np.frombuffer(raw, dtype=self.layout.dtype).reshape(out.shape)
+        out[offset : offset + size] = raw
 
     @staticmethod
     def _payload(data: bytes, offset: int, codec: int, raw_len: int, key: str) -> bytes:

@@ -296,6 +296,8 @@ class RedisBlockStore:
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         self._check_open()
+        if not keys:
+            return self.layout.empty_rows()
         bs = self.layout.block_size
         out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
         first: dict[str, int] = {}  # key -> its first position in ``keys``
@@ -306,6 +308,8 @@ class RedisBlockStore:
             own = {k: self._own_rows[k] for k in unique if k in self._own_rows}
         block_keys = [self.keys.block(k) for k in unique]
         missing: list[str] = []
+        flat = memoryview(out).cast("B")
+        decode, block_nbytes = self._codec.decode_into, self.layout.block_nbytes
         with redis_errors(self.namespace, "reading blocks"):
             # Each group is decoded as it arrives, while the servers send the next ones.
             read = self._nodes.read_command
@@ -314,13 +318,13 @@ class RedisBlockStore:
             ):
                 for i, value in zip(indices, found):
                     key = unique[i]
-                    at = first[key] * bs
-                    if key in own:
-                        out[at : at + bs] = own[key]
-                    elif value is None:
-                        missing.append(key)
-                    else:
-                        self._codec.decode_into(value, key, out[at : at + bs])
+                    if value is None or key in own:
+                        if key in own:
+                            out[first[key] * bs : (first[key] + 1) * bs] = own[key]
+                        else:
+                            missing.append(key)
+                        continue
+                    decode(value, key, flat, first[key] * block_nbytes)
         if missing:
             raise BlockNotFoundError(
                 sorted(missing, key=first.__getitem__), namespace=self.namespace,

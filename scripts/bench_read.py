@@ -1,0 +1,96 @@
+"""Trainer read-back: R3Reader.get_many against a raw MGET of the same stored bytes.
+
+Starts its own redis-server and 6-node cluster, records --requests requests of
+--tokens tokens (L=48, K=8) as manifests over stored blocks, then reads them back
+--per-call requests at a time through get_many (manifests, blocks, decoding,
+checksums and validation included) and, in the same run, fetches the same stored
+bytes with a raw redis-py MGET (mget_nonatomic on the cluster) without decoding.
+
+    python scripts/bench_read.py [--requests 256 --tokens 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import numpy as np
+import redis
+
+from r3cache import Completion, R3Reader, RoutingLayout, open_store
+from r3cache.manifest import BlockRef, Manifest
+from r3cache.sim import oracle_rows
+from r3cache.testing import RedisClusterProcesses, RedisServer
+
+LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
+
+
+def record(url: str, namespace: str, requests: int, tokens: int) -> list[str]:
+    """Store each request's full blocks and a manifest naming them, as the worker does."""
+    rng = np.random.default_rng(0)
+    store = open_store(url, layout=LAYOUT, namespace=namespace, idle_ttl=3600)
+    ids = []
+    bs = LAYOUT.block_size
+    for r in range(requests):
+        rows = oracle_rows(rng.integers(0, 151_936, tokens), LAYOUT)[: tokens - 1]
+        full = (tokens - 1) // bs
+        keys = [f"{r:06x}{j:058x}" for j in range(full)]
+        blocks = {k: rows[j * bs : (j + 1) * bs] for j, k in enumerate(keys)}
+        segments = [BlockRef(k, 0, bs) for k in keys] + [rows[full * bs :]]
+        manifest = Manifest(f"req-{r}", LAYOUT.fingerprint, Completion(0, tokens), segments)
+        store.put(blocks, manifests=[manifest])
+        ids.append(manifest.request_id)
+    store.close()
+    return ids
+
+
+def bench(label: str, url: str, raw, args) -> list[str]:
+    namespace = f"bench-read-{label}"
+    ids = record(url, namespace, args.requests, args.tokens)
+    calls = [ids[at : at + args.per_call] for at in range(0, len(ids), args.per_call)]
+    with R3Reader(url, namespace=namespace) as reader:
+        reader.get_many(calls[0])  # warm the connection pool
+        began = time.perf_counter()
+        rows = sum(len(r) for call in calls for r in reader.get_many(call))
+        ours = time.perf_counter() - began
+        keys = [reader.store.keys.block(k) for m in reader.store.get_manifests(ids)
+                for k in m.block_keys]
+    per_call_keys = len(keys) // len(calls)
+    mget = raw.mget_nonatomic if hasattr(raw, "mget_nonatomic") else raw.mget
+    began = time.perf_counter()
+    stored = 0
+    for at in range(0, len(keys), per_call_keys):
+        stored += sum(len(v) for v in mget(keys[at : at + per_call_keys]))
+    theirs = time.perf_counter() - began
+    raw_bytes = rows * LAYOUT.row_nbytes
+    return [
+        f"{label + ': R3Reader.get_many':36s} {rows / ours:14,.0f} {raw_bytes / ours / 1e6:9.1f} "
+        f"{(rows / ours) / (rows / theirs):8.2f}",
+        f"{label + ': raw MGET of the blocks':36s} {rows / theirs:14,.0f} "
+        f"{stored / theirs / 1e6:9.1f} {1:8.2f}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--per-call", type=int, default=8, help="requests per get_many")
+    args = parser.parse_args()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}, redis-py {redis.__version__}; {args.requests} "
+          f"requests x {args.tokens} tokens, layout {LAYOUT.fingerprint}, "
+          f"{args.per_call} requests per get_many")
+    print(f"{'case':36s} {'tokens/s':>14s} {'MB/s':>9s} {'vs raw':>8s}")
+    with RedisServer() as server:
+        print("\n".join(bench("standalone", server.url, server.client(), args)))
+    with RedisClusterProcesses() as cluster:
+        raw = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+        print("\n".join(bench("cluster", cluster.url, raw, args)))
+        raw.close()
+
+
+if __name__ == "__main__":
+    main()
