@@ -132,9 +132,13 @@ class R3Reader:
     def get_by_tokens(self, token_ids: Sequence[int], *, dtype: Any = None,
                       layers: Sequence[int] | slice | None = None, seed: str = DEFAULT_SEED,
                       extra_keys_per_block: Sequence[tuple | None] | None = None) -> TokenLookup:
-        """Routes of the longest prefix of ``token_ids`` whose full blocks are all stored."""
-        keys = [h.hex() for h in block_hashes(token_ids, self.layout.block_size, seed=seed,
-                                              extra_keys_per_block=extra_keys_per_block)]
+        """Routes of the longest prefix of ``token_ids`` whose full blocks are all stored.
+
+        Hashes use the namespace's algorithm and ``seed`` (the engine's PYTHONHASHSEED).
+        """
+        keys = [h.hex() for h in block_hashes(
+            token_ids, self.layout.block_size, algo=self.store.hash_algo, seed=seed,
+            extra_keys_per_block=extra_keys_per_block)]
         try:
             rows = self.store.get_concatenated(keys)
         except BlockNotFoundError as exc:

@@ -1,41 +1,50 @@
 import json
+import sys
 
 import pytest
 
+from r3cache.errors import ContractError
 from r3cache.hashing import UNSET_SEED, block_hashes, none_hash
 from tests.conftest import SHARED
 
 VECTORS = SHARED / "testdata" / "vllm_block_hashes.json"
 
 
-def _sha256_vectors():
+def _vectors():
+    """Every vector whose NONE_HASH is deterministic (the file lists only those)."""
     if not VECTORS.exists():
         return []
-    vectors = json.loads(VECTORS.read_text())["vectors"]
-    # Plain pickle + SHA-256 vectors whose extra keys are plain tuples; the
-    # multimodal extra keys are covered with the read-back work.
-    return [
-        v for v in vectors
-        if v["algo"] == "sha256" and v["case"] != "multimodal_two_images"
-        and (v["seed_env"] == "0" or "v0.33.0" in v["vllm_code"])
-    ]
+    return json.loads(VECTORS.read_text())["vectors"]
 
 
 def _extra(keys):
+    """JSON lists back to vLLM's tuples; tags are interned, as vLLM's constants are one
+    object (pickle then writes a repeated tag as a back-reference)."""
     if keys is None:
         return None
-    return [None if b is None else tuple(tuple(x) if isinstance(x, list) else x for x in b)
-            for b in keys]
+
+    def convert(x):
+        if isinstance(x, list):
+            return tuple(convert(y) for y in x)
+        return sys.intern(x) if isinstance(x, str) else x
+
+    return [None if b is None else convert(b) for b in keys]
 
 
 @pytest.mark.skipif(not VECTORS.exists(), reason="shared/testdata is not beside this checkout")
-@pytest.mark.parametrize("vector", _sha256_vectors(), ids=lambda v: v["id"])
+@pytest.mark.parametrize("vector", _vectors(), ids=lambda v: v["id"])
 def test_block_hashes_match_vllm(vector):
     seed = "0" if vector["seed_env"] == "0" else UNSET_SEED
-    assert none_hash(seed).hex() == vector["none_hash_hex"]
-    hashes = block_hashes(vector["token_ids"], vector["block_size"], seed=seed,
+    algo = vector["algo"]
+    assert none_hash(seed, algo).hex() == vector["none_hash_hex"]
+    hashes = block_hashes(vector["token_ids"], vector["block_size"], algo=algo, seed=seed,
                           extra_keys_per_block=_extra(vector["extra_keys_per_block"]))
     assert [h.hex() for h in hashes] == vector["block_hashes_hex"]
+
+
+def test_an_unknown_algorithm_is_a_typed_error():
+    with pytest.raises(ContractError, match="sha256_cbor"):
+        block_hashes([1, 2], 2, algo="md5")
 
 
 def test_chain_can_be_extended_block_by_block():

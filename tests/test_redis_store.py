@@ -329,3 +329,13 @@ def test_close_drops_every_hold_and_leaves_no_owner_behind(url, namespace):
         assert not probe.client_for(lease).exists(lease)
     finally:
         probe.close()
+
+
+def test_the_namespace_records_the_engines_hash_algorithm(redis_url, namespace):
+    s = open_store(redis_url, layout=LAYOUT, namespace=namespace, hash_algo="xxhash_cbor")
+    assert s.hash_algo == "xxhash_cbor"
+    s.close()
+    with pytest.raises(LayoutMismatchError, match="hash_algo"):
+        open_store(redis_url, layout=LAYOUT, namespace=namespace)  # sha256 by default
+    with pytest.raises(ContractError, match="unknown block hash algorithm"):
+        open_store(redis_url, layout=LAYOUT, namespace=namespace + "x", hash_algo="md5")

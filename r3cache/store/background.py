@@ -29,6 +29,7 @@ class BackgroundBlockStore:
         self.inner = inner
         self.layout = inner.layout
         self.namespace = inner.namespace
+        self.hash_algo = inner.hash_algo
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._closed = False

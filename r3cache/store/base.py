@@ -40,6 +40,7 @@ class BlockStore(Protocol):
 
     layout: RoutingLayout
     namespace: str
+    hash_algo: str  # the engine's KV block hash algorithm, for lookups by tokens
 
     def put(
         self,

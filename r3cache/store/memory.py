@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreClosedError, StoreFullError
+from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.store.base import StoreStats
@@ -20,7 +21,8 @@ class MemoryBlockStore:
     """Own blocks in process memory, bounded by bytes, evicting only unpinned blocks (LRU)."""
 
     def __init__(
-        self, layout: RoutingLayout, namespace: str = "default", max_bytes: int = DEFAULT_MAX_BYTES
+        self, layout: RoutingLayout, namespace: str = "default", max_bytes: int = DEFAULT_MAX_BYTES,
+        hash_algo: str = "sha256",
     ) -> None:
         if max_bytes < layout.block_nbytes:
             raise StoreFullError(
@@ -28,6 +30,7 @@ class MemoryBlockStore:
             )
         self.layout = layout
         self.namespace = namespace
+        self.hash_algo = hasher_name(hash_algo)
         self.max_bytes = int(max_bytes)
         self._blocks: dict[str, np.ndarray] = {}
         self._refs: dict[str, int] = {}

@@ -23,6 +23,7 @@ from r3cache.errors import (
     LayoutMismatchError,
     StoreClosedError,
 )
+from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import BlockRef, Manifest
 from r3cache.store.base import StoreStats
@@ -36,7 +37,6 @@ from r3cache.store.redis_scripts import (
     SCRIPTS,
 )
 
-HASH_ALGO = "sha256"
 DEFAULT_IDLE_TTL = 86_400.0
 DEFAULT_LEASE_TTL = 30.0
 DEFAULT_MANIFEST_TTL = 7 * 86_400.0
@@ -66,6 +66,7 @@ class RedisOptions:
     janitor: bool = True
     lease: bool = True  # False: an admin or reader handle that holds nothing
     manifest_ttl: float = DEFAULT_MANIFEST_TTL
+    hash_algo: str = "sha256"  # how the engine hashes KV blocks (vLLM's prefix-caching algo)
 
 
 class _KeyOps:
@@ -98,6 +99,7 @@ class RedisBlockStore:
         self._codec = codec.codec_for(layout)
         self.owner = check_name(options.owner or default_owner(), "owner")
         self.options = options
+        self.hash_algo = hasher_name(options.hash_algo)
         self._nodes = nodes
         self._display_url = display_url
         self._idle_ms = int(options.idle_ttl * 1000)
@@ -422,7 +424,7 @@ class RedisBlockStore:
             "dtype": str(self.layout.dtype),
             "codec": "lz4",
             "format_version": codec.FORMAT_VERSION,
-            "hash_algo": HASH_ALGO,
+            "hash_algo": self.hash_algo,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         meta = self.keys.meta
@@ -430,7 +432,7 @@ class RedisBlockStore:
         reply = self.client_for(meta).execute_command(*OPEN_NAMESPACE_SCRIPT.command(*args))
         self.client_for(NAMESPACES_KEY).sadd(NAMESPACES_KEY, self.namespace)
         stored = {k.decode(): v.decode() for k, v in zip(reply[::2], reply[1::2])}
-        for name in ("fingerprint", "codec", "format_version"):
+        for name in ("fingerprint", "codec", "format_version", "hash_algo"):
             if stored.get(name) != str(fields[name]):
                 raise LayoutMismatchError(
                     f"namespace {self.namespace!r} holds {name} {stored.get(name)!r}, this "
