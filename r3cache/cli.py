@@ -178,6 +178,169 @@ def _run_block(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_parsers(sub: argparse._SubParsersAction) -> None:
+    url_help = "redis://, rediss://, unix:// or redis+cluster:// URL"
+    inspect = sub.add_parser(
+        "inspect", help="what a Redis holds: namespaces, layouts, blocks, manifests, owners",
+        description="Without --namespace, one line per namespace; with it, the namespace's "
+        "layout, block and manifest counts, bytes used, pinned vs idle blocks, and live "
+        "and dead owners. It scans keys (SCAN, never KEYS): fine for a look, not a loop.")
+    inspect.add_argument("url", help=url_help)
+    inspect.add_argument("--namespace")
+    inspect.set_defaults(func=_run_inspect)
+
+    get = sub.add_parser(
+        "get", help="one request's routes into a .npy or .safetensors file",
+        description="Read a finished request's routes (validated) and save them with shape "
+        "(num_tokens - 1 - prompt_start, num_layers, topk). .safetensors needs the "
+        "'safetensors' package (pip install 'r3cache[cli]').")
+    get.add_argument("url", help=url_help)
+    get.add_argument("request_id")
+    get.add_argument("--namespace", required=True)
+    get.add_argument("--out", required=True, help="routes.npy or routes.safetensors")
+    get.add_argument("--dtype", default=None, help="e.g. int32 or int64 (default: stored)")
+    get.set_defaults(func=_run_get)
+
+    export = sub.add_parser(
+        "export", help="every recorded request of a namespace into a directory of .npy files",
+        description="Writes DIR/<request id>.npy for every manifest in the namespace and "
+        "DIR/index.json listing them with their prompt_start and token count.")
+    export.add_argument("url", help=url_help)
+    export.add_argument("--namespace", required=True)
+    export.add_argument("--out", required=True, help="directory to create or fill")
+    export.add_argument("--dtype", default=None)
+    export.add_argument("--batch", type=int, default=16, help="requests per read")
+    export.set_defaults(func=_run_export)
+
+    plot = sub.add_parser(
+        "plot", help="expert load per layer as a heatmap (needs matplotlib)",
+        description="Counts how often each expert was routed to, per layer, over one "
+        "request or every recorded request of the namespace, and draws layers x experts.")
+    plot.add_argument("url", help=url_help)
+    plot.add_argument("request_id", nargs="?", help="one request (default: the namespace)")
+    plot.add_argument("--namespace", required=True)
+    plot.add_argument("--out", required=True, help="load.png")
+    plot.set_defaults(func=_run_plot)
+
+
+def _recorded(reader) -> list[str]:
+    index = reader.store.keys.manifest_index
+    return [r.decode() for r in reader.store.client_for(index).zrange(index, 0, -1)]
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from r3cache.store.janitor import list_namespaces, owner_liveness
+    from r3cache.store.redis_connect import open_redis_store
+
+    namespaces = [args.namespace] if args.namespace else list_namespaces(args.url)
+    if not namespaces:
+        print("no r3cache namespaces found")
+    for namespace in namespaces:
+        store = open_redis_store(args.url, layout=None, namespace=namespace, lease=False,
+                                 janitor=False)
+        try:
+            stats = store.stats()
+            owners = owner_liveness(store)
+        finally:
+            store.close()
+        live = sorted(o for o, alive in owners.items() if alive)
+        dead = sorted(o for o, alive in owners.items() if not alive)
+        print(f"{namespace}  layout {store.layout.fingerprint}  hash {store.hash_algo}")
+        print(f"  blocks     {stats.blocks} ({stats.pinned_blocks} pinned, "
+              f"{stats.blocks - stats.pinned_blocks} idle)")
+        print(f"  bytes      {stats.bytes_used:,} stored for {stats.raw_bytes_used:,} raw")
+        print(f"  manifests  {stats.manifests}")
+        print(f"  owners     {len(live)} live{': ' + ', '.join(live) if live else ''}; "
+              f"{len(dead)} dead{': ' + ', '.join(dead) if dead else ''}")
+    return 0
+
+
+def _run_get(args: argparse.Namespace) -> int:
+    from r3cache.reader import R3Reader
+
+    with R3Reader(args.url, namespace=args.namespace) as reader:
+        rows = reader.get(args.request_id, dtype=args.dtype)
+    _save(rows, args.out)
+    print(f"{args.request_id}: {rows.shape} {rows.dtype} -> {args.out}")
+    return 0
+
+
+def _save(rows: np.ndarray, path: str) -> None:
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors.numpy import save_file
+        except ImportError:
+            raise SystemExit("writing .safetensors needs: pip install 'r3cache[cli]'") from None
+        save_file({"routed_experts": np.ascontiguousarray(rows)}, path)
+    else:
+        np.save(path, rows)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from r3cache.reader import R3Reader
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    index = []
+    with R3Reader(args.url, namespace=args.namespace) as reader:
+        ids = _recorded(reader)
+        with tqdm(total=len(ids), unit="req", desc="export", disable=None) as bar:
+            for at in range(0, len(ids), args.batch):
+                batch = ids[at : at + args.batch]
+                manifests = reader.store.get_manifests(batch)
+                for request_id, manifest, rows in zip(
+                        batch, manifests, reader.get_many(batch, dtype=args.dtype)):
+                    name = f"{request_id}.npy"
+                    np.save(out / name, rows)
+                    index.append({"request_id": request_id, "file": name,
+                                  "prompt_start": manifest.completion.prompt_start,
+                                  "num_tokens": manifest.completion.num_tokens,
+                                  "shape": list(rows.shape), "dtype": str(rows.dtype)})
+                    bar.update()
+    (out / "index.json").write_text(json.dumps(
+        {"namespace": args.namespace, "layout": reader.layout.fingerprint,
+         "requests": index}, indent=1))
+    print(f"exported {len(index)} request(s) to {out}")
+    return 0
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plot needs matplotlib: pip install 'r3cache[cli]'") from None
+    from r3cache.reader import R3Reader
+
+    with R3Reader(args.url, namespace=args.namespace) as reader:
+        layout = reader.layout
+        ids = [args.request_id] if args.request_id else _recorded(reader)
+        load = np.zeros((layout.num_layers, layout.num_experts), np.int64)
+        for at in range(0, len(ids), 16):
+            for rows in reader.get_many(ids[at : at + 16]):
+                for layer in range(layout.num_layers):
+                    load[layer] += np.bincount(rows[:, layer].ravel(),
+                                               minlength=layout.num_experts)
+    figure, axes = plt.subplots(figsize=(10, 0.12 * layout.num_layers + 2))
+    image = axes.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
+    axes.set_xlabel("expert")
+    axes.set_ylabel("layer")
+    what = args.request_id or f"{len(ids)} requests"
+    axes.set_title(f"expert load per layer: {args.namespace}, {what}")
+    figure.colorbar(image, ax=axes, label="tokens routed")
+    figure.tight_layout()
+    figure.savefig(args.out, dpi=100)
+    print(f"{what}: {int(load.sum())} routings over {layout.num_layers} layers -> {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="r3cache",
@@ -187,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _gc_parser(sub)
     _block_parser(sub)
+    _read_parsers(sub)
     return parser
 
 

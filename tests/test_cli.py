@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_demo_runs_and_verifies():
     result = subprocess.run(
@@ -53,3 +55,74 @@ def test_demo_runs_against_redis(redis_url, namespace):
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "verification: PASS" in result.stdout
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def recorded(request, namespace):
+    """A namespace with three recorded requests, on standalone Redis and on the cluster."""
+    from r3cache import RoutingLayout
+    from r3cache.sim import SimConfig, SimRequest, simulate
+
+    url = request.getfixturevalue("redis_url" if request.param == "redis" else "cluster_url")
+    layout = RoutingLayout(4, 2, 16, 4)
+    workload = [SimRequest(f"req-{i}", list(range(20)), list(range(i, i + 9))) for i in range(3)]
+    report = simulate(workload, layout, SimConfig(keep_manifests=True), store_url=url,
+                      namespace=namespace, idle_ttl=300)
+    assert report.manifests_verified == 3
+    return url, report.online
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "r3cache.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_inspect_shows_layout_counts_and_owners(recorded, namespace):
+    url, _ = recorded
+    result = cli("inspect", url, "--namespace", namespace)
+    assert result.returncode == 0, result.stderr
+    assert "layout r3l1:L4:K2:E16:B4:|u1  hash sha256" in result.stdout
+    assert "manifests  3" in result.stdout and "0 live" in result.stdout
+
+
+def test_get_writes_npy_and_safetensors(recorded, namespace, tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    url, online = recorded
+    assert cli("get", url, "req-1", "--namespace", namespace, "--out",
+               str(tmp_path / "r.npy")).returncode == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "r.npy"), online["req-1"])
+    result = cli("get", url, "req-2", "--namespace", namespace, "--out",
+                 str(tmp_path / "r.safetensors"), "--dtype", "int64")
+    assert result.returncode == 0, result.stderr
+    tensor = load_file(str(tmp_path / "r.safetensors"))["routed_experts"]
+    assert tensor.dtype == np.int64
+    np.testing.assert_array_equal(tensor, online["req-2"])
+    missing = cli("get", url, "nope", "--namespace", namespace, "--out", str(tmp_path / "x.npy"))
+    assert missing.returncode == 2 and "ManifestNotFoundError" in missing.stderr
+
+
+def test_export_writes_every_request_and_an_index(recorded, namespace, tmp_path):
+    import json
+
+    import numpy as np
+
+    url, online = recorded
+    result = cli("export", url, "--namespace", namespace, "--out", str(tmp_path / "dir"))
+    assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "dir" / "index.json").read_text())
+    assert sorted(r["request_id"] for r in index["requests"]) == ["req-0", "req-1", "req-2"]
+    for entry in index["requests"]:
+        rows = np.load(tmp_path / "dir" / entry["file"])
+        np.testing.assert_array_equal(rows, online[entry["request_id"]])
+        assert entry["num_tokens"] == 20 + 9 and list(rows.shape) == entry["shape"]
+
+
+def test_plot_draws_the_expert_load(recorded, namespace, tmp_path):
+    url, online = recorded
+    result = cli("plot", url, "--namespace", namespace, "--out", str(tmp_path / "load.png"))
+    assert result.returncode == 0, result.stderr
+    routings = sum(rows.size for rows in online.values())
+    assert f"3 requests: {routings} routings over 4 layers" in result.stdout
+    assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"
