@@ -66,9 +66,11 @@ class R3Reader:
         missing = [r for r, m in zip(request_ids, manifests) if m is None]
         if missing:
             raise ManifestNotFoundError(missing, namespace=self.namespace)
-        keys = list(dict.fromkeys(k for m in manifests for k in m.block_keys))
+        plans = [self._plan(m) for m in manifests]
+        keys = [k for _, targets, _ in plans for k, _ in targets]
         try:
-            blocks = self.store.get_concatenated(keys)
+            # Whole blocks are decoded straight into each request's array, in one round.
+            self.store.read_into(keys, [t for _, targets, _ in plans for _, t in targets])
         except BlockNotFoundError as exc:
             lost = set(exc.keys)
             owners = [m.request_id for m in manifests if lost.intersection(m.block_keys)]
@@ -79,20 +81,43 @@ class R3Reader:
             owners = [m.request_id for m in manifests if exc.key in m.block_keys]
             raise CorruptBlockError(exc.key, f"{exc.reason} (in the routes of request(s) "
                                     f"{', '.join(map(repr, owners))})") from exc
-        at = {k: i * self.layout.block_size for i, k in enumerate(keys)}
         out = []
-        for manifest in manifests:
-            rows = self._assemble(manifest, blocks, at)
+        for manifest, (rows, _, finish) in zip(manifests, plans):
+            finish()
             self._validate(manifest.request_id, rows, manifest.completion.num_rows)
             out.append(_select(rows, dtype, layers))
         return out
 
-    def _assemble(self, manifest: Manifest, blocks: np.ndarray, at: dict[str, int]) -> np.ndarray:
-        pieces = [blocks[at[s.key] + s.start : at[s.key] + s.stop] if isinstance(s, BlockRef)
-                  else s for s in manifest.segments]
-        if not pieces:
-            return self.layout.empty_rows()
-        return np.concatenate(pieces)
+    def _plan(self, manifest: Manifest):
+        """(rows, [(key, target)] for the store to fill, finish() for the rest).
+
+        A whole block goes straight to its place in ``rows``; a block slice goes to a
+        scratch block first; inline rows are copied by ``finish``.
+        """
+        bs = self.layout.block_size
+        rows = np.empty((manifest.completion.num_rows, *self.layout.row_shape), self.layout.dtype)
+        targets: list[tuple[str, np.ndarray]] = []
+        copies: list[tuple[int, np.ndarray]] = []
+        at = 0
+        for segment in manifest.segments:
+            if isinstance(segment, BlockRef):
+                size = segment.stop - segment.start
+                if size == bs and at + bs <= len(rows):
+                    targets.append((segment.key, rows[at : at + bs]))
+                else:
+                    scratch = np.empty(self.layout.block_shape, self.layout.dtype)
+                    targets.append((segment.key, scratch))
+                    copies.append((at, scratch[segment.start : segment.stop]))
+                at += size
+            else:
+                copies.append((at, segment))
+                at += len(segment)
+
+        def finish() -> None:
+            for start, part in copies:
+                rows[start : start + len(part)] = part
+
+        return rows, targets, finish
 
     def _validate(self, request_id: str, rows: np.ndarray, num_rows: int) -> None:
         where = f"routes of request {request_id!r}"

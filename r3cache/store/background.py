@@ -61,6 +61,10 @@ class BackgroundBlockStore:
         self.flush()
         return self.inner.get_concatenated(keys)
 
+    def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
+        self.flush()
+        self.inner.read_into(keys, targets)
+
     def flush(self) -> None:
         self._check()
         self._queue.join()

@@ -62,6 +62,10 @@ class BlockStore(Protocol):
         """Rows of ``keys`` in order, shape ``(len(keys) * block_size, L, K)``."""
         ...
 
+    def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
+        """Block ``keys[i]`` into ``targets[i]``: whole-block, C-contiguous row arrays."""
+        ...
+
     def flush(self) -> None:
         """Return once every earlier ``put`` is applied (or raise its error)."""
         ...

@@ -156,6 +156,11 @@ class MemoryBlockStore:
             return self.layout.empty_rows()
         return np.concatenate(blocks)
 
+    def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
+        for target, rows in zip(targets, np.split(self.get_concatenated(keys), len(keys))
+                                if keys else ()):
+            target[...] = rows
+
     def refcount(self, key: str) -> int:
         with self._lock:
             return self._refs.get(key, 0)

@@ -297,11 +297,16 @@ class RedisBlockStore:
                     self._own_rows.popitem(last=False)
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
-        self._check_open()
-        if not keys:
-            return self.layout.empty_rows()
         bs = self.layout.block_size
         out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
+        self.read_into(keys, [out[n * bs : (n + 1) * bs] for n in range(len(keys))])
+        return out
+
+    def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
+        """Decode block ``keys[i]`` into ``targets[i]`` (C-contiguous, ``block_shape``)."""
+        self._check_open()
+        if not keys:
+            return
         first: dict[str, int] = {}  # key -> its first position in ``keys``
         for n, key in enumerate(keys):
             first.setdefault(key, n)
@@ -310,8 +315,7 @@ class RedisBlockStore:
             own = {k: self._own_rows[k] for k in unique if k in self._own_rows}
         block_keys = [self.keys.block(k) for k in unique]
         missing: list[str] = []
-        flat = memoryview(out).cast("B")
-        decode, block_nbytes = self._codec.decode_into, self.layout.block_nbytes
+        decode = self._codec.decode_into
         with redis_errors(self.namespace, "reading blocks"):
             # Each group is decoded as it arrives, while the servers send the next ones.
             read = self._nodes.read_command
@@ -320,13 +324,13 @@ class RedisBlockStore:
             ):
                 for i, value in zip(indices, found):
                     key = unique[i]
-                    if value is None or key in own:
-                        if key in own:
-                            out[first[key] * bs : (first[key] + 1) * bs] = own[key]
-                        else:
-                            missing.append(key)
-                        continue
-                    decode(value, key, flat, first[key] * block_nbytes)
+                    target = targets[first[key]]
+                    if key in own:
+                        target[...] = own[key]
+                    elif value is None:
+                        missing.append(key)
+                    else:
+                        decode(value, key, memoryview(target).cast("B"), 0)
         if missing:
             raise BlockNotFoundError(
                 sorted(missing, key=first.__getitem__), namespace=self.namespace,
@@ -335,8 +339,7 @@ class RedisBlockStore:
             )
         for n, key in enumerate(keys):
             if first[key] != n:
-                out[n * bs : (n + 1) * bs] = out[first[key] * bs : (first[key] + 1) * bs]
-        return out
+                targets[n][...] = targets[first[key]]
 
     def flush(self) -> None:
         self._check_open()
