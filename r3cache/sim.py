@@ -103,6 +103,7 @@ class SimConfig:
     prefix_caching: bool = True
     reset_prefix_cache_when_idle: bool = False
     keep_manifests: bool = False  # leave them for a trainer instead of releasing after checks
+    clear_local_tier_every: int = 0  # steps; a two-tier store then re-reads from Redis
     max_steps: int = 200_000
     seed: int = 0
 
@@ -275,6 +276,9 @@ class Engine:
                 self._update(done_plan, truth, outputs)
             if plan:
                 self.report.step_seconds.append(spent)
+            every = self.config.clear_local_tier_every
+            if every and step % every == every - 1 and hasattr(self.worker.store, "clear_local"):
+                self.worker.store.clear_local()
             if (self.config.reset_prefix_cache_when_idle and not self.running
                     and not inflight and self.kv.cached):
                 self.worker.begin_step(self.scheduler.build_step_metadata())  # finishes first

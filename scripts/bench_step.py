@@ -1,22 +1,26 @@
-"""Host time per engine step of the worker connector's hot path.
+"""Host time per engine step of the worker connector's hot path, per store.
 
 Measures begin_step + prepare_output + enqueue_cpu_copy + process_output, the calls
-an inference engine makes every step, against the embedded store behind its
-background writer, for:
+an inference engine makes every step, for:
 
   (a) 256 running requests decoding one token each
   (b) 8192-token prefill steps (8 new requests x 1024 prompt tokens)
   (c) 64 requests x 4 speculative tokens with random rejections
+  (d) prefix sharing: groups of 8 requests on one 2048-token prompt, 7 of them hits
 
-Layout: L=48, K=8, 128 experts (uint8), block size 16. Usage:
+against the embedded store and, with --redis, a redis-server and a 6-node cluster
+that the script starts itself (two tiers: the connector's in-process tier in front
+of Redis), printing each store's ratio to the embedded store. --store URL adds any
+other store. Layout: L=48, K=8, 128 experts (uint8), block size 16.
 
-    python scripts/bench_step.py [--steps 400]
+    python scripts/bench_step.py [--steps 400] [--redis] [--store URL]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import platform
 import time
 
@@ -25,6 +29,7 @@ import numpy as np
 from r3cache import RoutingLayout, StepBatch, StepMetadata, WorkerConnector, open_store
 
 LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
+_RUN = [0]  # a fresh namespace per driver, so no run reads another's blocks
 
 
 def _hash(req: str, block: int) -> bytes:
@@ -34,8 +39,11 @@ def _hash(req: str, block: int) -> bytes:
 class Driver:
     """Own a worker connector and the scheduler-side bookkeeping a benchmark needs."""
 
+    url = "memory://"
+
     def __init__(self, max_num_seqs: int, max_tokens: int) -> None:
-        store = open_store("memory://", layout=LAYOUT, namespace="bench")
+        store = open_store(Driver.url, layout=LAYOUT, namespace=f"bench-step-{_RUN[0]}")
+        _RUN[0] += 1
         self.worker = WorkerConnector(layout=LAYOUT, store=store, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_tokens)
         self.rng = np.random.default_rng(0)
@@ -119,22 +127,66 @@ def bench_spec(steps: int) -> list[float]:
     return d.times[20:]
 
 
+def bench_prefix(steps: int) -> list[float]:
+    d = Driver(16, 8192)
+    prompt_blocks = 2048 // 16
+    groups = max(steps // 2, 1)
+    previous: list[str] = []
+    for g in range(groups + 2):
+        producer, consumers = f"g{g}-0", [f"g{g}-{i}" for i in range(1, 8)]
+        shared = [_hash(f"g{g}", b) for b in range(prompt_blocks)]
+        d.step(StepMetadata(0, {producer: 0}, {producer: shared}, previous), [producer],
+               np.zeros(1, np.int64), np.array([2048]), measure=g >= 2)
+        # The other seven hit the whole prompt and run their own first 16 tokens.
+        hashes = {r: shared for r in consumers}
+        d.step(StepMetadata(0, dict.fromkeys(consumers, 0), hashes), consumers,
+               np.full(7, 2048, np.int64), np.full(7, 16), measure=g >= 2)
+        previous = [producer, *consumers]
+    d.close()
+    return d.times
+
+
+CASES = [
+    ("(a) decode, 256 requests", bench_decode),
+    ("(b) prefill, 8192 tokens", bench_prefill),
+    ("(c) spec decode, 64 x 4 drafts", bench_spec),
+    ("(d) prefix sharing, 8 x 2048", bench_prefix),
+]
+
+
+def run_store(label: str, url: str, steps: int, baseline: dict) -> None:
+    Driver.url = url
+    for name, bench in CASES:
+        times = np.array(bench(steps)) * 1e3
+        median, p90 = np.median(times), np.percentile(times, 90)
+        baseline.setdefault(name, median)
+        print(f"{label:12s} {name:32s} {median:10.3f} {p90:8.3f} "
+              f"{median / baseline[name]:7.2f}x {len(times):6d}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--redis", action="store_true",
+                        help="also run against a redis-server and a 6-node cluster")
+    parser.add_argument("--store", action="append", default=[], help="another store URL")
     args = parser.parse_args()
-    cases = [
-        ("(a) decode, 256 requests", bench_decode),
-        ("(b) prefill, 8192 tokens", bench_prefill),
-        ("(c) spec decode, 64 x 4 drafts", bench_spec),
-    ]
-    print(f"machine: {platform.machine()}, {platform.python_implementation()} "
-          f"{platform.python_version()}, numpy {np.__version__}, layout {LAYOUT.fingerprint}")
-    print(f"{'case':34s} {'median ms':>10s} {'p90 ms':>8s} {'steps':>6s}")
-    for name, bench in cases:
-        times = np.array(bench(args.steps)) * 1e3
-        median, p90 = np.median(times), np.percentile(times, 90)
-        print(f"{name:34s} {median:10.3f} {p90:8.3f} {len(times):6d}")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
+          f"{platform.python_implementation()} {platform.python_version()}, numpy "
+          f"{np.__version__}, layout {LAYOUT.fingerprint}")
+    print(f"{'store':12s} {'case':32s} {'median ms':>10s} {'p90 ms':>8s} {'vs mem':>8s} "
+          f"{'steps':>6s}")
+    baseline: dict = {}
+    run_store("memory", "memory://", args.steps, baseline)
+    for url in args.store:
+        run_store(url.split(":")[0], url, args.steps, baseline)
+    if args.redis:
+        from r3cache.testing import RedisClusterProcesses, RedisServer
+
+        with RedisServer() as server:
+            run_store("redis", server.url, args.steps, baseline)
+        with RedisClusterProcesses() as cluster:
+            run_store("cluster", cluster.url, args.steps, baseline)
 
 
 if __name__ == "__main__":

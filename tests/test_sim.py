@@ -47,10 +47,11 @@ def test_oracle_rows_depend_on_the_whole_prefix_and_hold_distinct_experts():
     max_num_seqs=st.integers(1, 16),
     prefix_caching=st.booleans(),
     reset=st.booleans(),
+    clear_every=st.sampled_from([0, 0, 3, 17]),
 )
 def test_random_workloads_get_exactly_their_oracle_rows(
     store_url, seed, block_size, spec, reject_prob, async_depth, budget, kv_slack,
-    max_num_seqs, prefix_caching, reset,
+    max_num_seqs, prefix_caching, reset, clear_every,
 ):
     layout = RoutingLayout(3, 2, 300, block_size)
     workload = random_workload(seed, num_requests=10, block_size=block_size)
@@ -60,6 +61,7 @@ def test_random_workloads_get_exactly_their_oracle_rows(
         num_kv_blocks=-(-longest // block_size) + 2 + kv_slack, num_spec_tokens=spec,
         reject_prob=reject_prob, async_depth=async_depth, prefix_caching=prefix_caching,
         reset_prefix_cache_when_idle=reset, seed=seed,
+        clear_local_tier_every=clear_every,  # Redis backends: the in-process tier is dropped
     )
     options = {} if store_url.startswith("memory") else {"idle_ttl": 120}
     report = simulate(workload, layout, config, store_url=store_url,
@@ -121,3 +123,17 @@ def test_a_request_larger_than_the_kv_pool_is_refused():
 def test_sim_hashes_are_vllm_block_hashes():
     request = SimRequest("r", list(range(40)), [1, 2])
     assert block_hashes(request.tokens, 16)[0] == block_hashes(list(range(16)), 16)[0]
+
+
+def test_reads_fall_back_to_redis_when_the_local_tier_is_cleared(redis_url, namespace):
+    from r3cache.store import open_store
+
+    workload = grpo_workload(num_prompts=3, samples=4, system_len=40, prompt_len=(8, 60),
+                             output_len=(8, 60), vocab=5000, seed=5)
+    store = open_store(redis_url, layout=SMALL, namespace=namespace, idle_ttl=120)
+    worker = WorkerConnector(layout=SMALL, store=store, max_concurrent_batches=2)
+    report = Engine(SMALL, worker, SimConfig(clear_local_tier_every=2, seed=5)).run(workload)
+    remote_reads = worker.store.remote_reads
+    worker.close()
+    assert report.failures == [] and report.blocks_read > 0
+    assert remote_reads > 0  # prefix hits after a clear were served by Redis

@@ -23,6 +23,8 @@ from r3cache.layout import RoutingLayout
 from r3cache.manifest import BlockRef, Manifest
 from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore
+from r3cache.store.memory import MemoryBlockStore
+from r3cache.store.tiered import TieredBlockStore
 
 
 @dataclass
@@ -91,6 +93,7 @@ class WorkerConnector:
         max_num_batched_tokens: int = 8192,
         max_concurrent_batches: int = 1,
         background: bool = True,
+        local_tier_bytes: int = 1 << 30,
     ) -> None:
         if store.layout != layout:
             raise LayoutMismatchError(
@@ -101,7 +104,14 @@ class WorkerConnector:
         self.layout = layout
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_concurrent_batches = max_concurrent_batches
-        if background and not isinstance(store, BackgroundBlockStore):
+        if isinstance(store, (BackgroundBlockStore, TieredBlockStore)):
+            pass  # already off the inference thread
+        elif not isinstance(store, MemoryBlockStore) and local_tier_bytes:
+            # A durable store gets an in-process tier: the engine's own prefix hits
+            # never wait on the writer or the network.
+            local = MemoryBlockStore(layout, store.namespace, local_tier_bytes)
+            store = TieredBlockStore(local, store, max_pending=2 * max_num_seqs)
+        elif background:
             store = BackgroundBlockStore(store, max_pending=2 * max_num_seqs)
         self.store = store
         self.stats = WorkerStats()

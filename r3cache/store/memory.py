@@ -156,6 +156,26 @@ class MemoryBlockStore:
             return self.layout.empty_rows()
         return np.concatenate(blocks)
 
+    def read_present(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> list[int]:
+        """Copy the blocks held here into their targets; the indices of the others."""
+        missing = []
+        with self._lock:
+            self._check_open()
+            for n, key in enumerate(keys):
+                block = self._blocks.get(key)
+                if block is None:
+                    missing.append(n)
+                else:
+                    targets[n][...] = block
+        return missing
+
+    def drop_blocks(self) -> None:
+        """Forget every stored block but keep the reference counts."""
+        with self._lock:
+            self._blocks.clear()
+            self._idle.clear()
+            self._idle_bytes = self._used = 0
+
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
         for target, rows in zip(targets, np.split(self.get_concatenated(keys), len(keys))
                                 if keys else ()):

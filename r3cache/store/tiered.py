@@ -1,0 +1,95 @@
+"""TieredBlockStore: an in-process tier of recent blocks in front of a durable store."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+
+from r3cache.errors import LayoutMismatchError, StoreFullError
+from r3cache.manifest import Manifest
+from r3cache.store.background import BackgroundBlockStore
+from r3cache.store.base import BlockStore, StoreStats
+from r3cache.store.memory import MemoryBlockStore
+
+
+class TieredBlockStore:
+    """Own a local MemoryBlockStore and the background-written durable store behind it.
+
+    Writes land in the local tier at once (read-your-writes without waiting for the
+    writer) and go to the durable store through the writer thread. Reads are served
+    from the local tier; only blocks it lacks (evicted locally, written by another
+    replica, or from before a restart) go to the durable store, after the writer
+    queue has drained, in one batched read, and are then kept locally.
+    """
+
+    def __init__(self, local: MemoryBlockStore, remote: BlockStore,
+                 max_pending: int = 512) -> None:
+        if local.layout != remote.layout:
+            raise LayoutMismatchError("the local and durable tiers must share a layout")
+        self.local = local
+        self.remote = remote if isinstance(remote, BackgroundBlockStore) \
+            else BackgroundBlockStore(remote, max_pending=max_pending)
+        self.layout = remote.layout
+        self.namespace = remote.namespace
+        self.hash_algo = remote.hash_algo
+        self.remote_reads = 0  # blocks the local tier lacked
+
+    def put(
+        self,
+        objects: Mapping[str, np.ndarray],
+        retain_keys: Collection[str] = (),
+        release_keys: Sequence[str] = (),
+        manifests: Sequence[Manifest] = (),
+    ) -> None:
+        self.remote.put(objects, retain_keys, release_keys, manifests)
+        try:
+            self.local.put(objects, retain_keys, release_keys)
+        except StoreFullError:
+            # The local tier is a cache: pins still count, the bytes stay remote only.
+            self.local.put({}, retain_keys, release_keys)
+
+    def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
+        bs = self.layout.block_size
+        out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
+        self.read_into(keys, [out[n * bs : (n + 1) * bs] for n in range(len(keys))])
+        return out
+
+    def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
+        missing = self.local.read_present(keys, targets)
+        if not missing:
+            return
+        wanted = [keys[i] for i in missing]
+        self.remote.read_into(wanted, [targets[i] for i in missing])
+        self.remote_reads += len(wanted)
+        found = dict(zip(wanted, (targets[i] for i in missing)))
+        try:
+            self.local.put({k: np.array(v) for k, v in found.items()})
+        except StoreFullError:
+            pass  # pinned blocks fill the local tier: the next read goes remote again
+
+    def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
+        return self.remote.get_manifests(request_ids)
+
+    def release_manifests(self, request_ids: Sequence[str]) -> int:
+        return self.remote.release_manifests(request_ids)
+
+    def flush(self) -> None:
+        self.remote.flush()
+
+    def stats(self) -> StoreStats:
+        return self.remote.stats()
+
+    def clear_local(self) -> None:
+        """Forget every locally cached block (pins stay): reads fall back to the durable tier."""
+        self.local.drop_blocks()
+
+    def close(self) -> None:
+        try:
+            self.remote.close()
+        finally:
+            self.local.close()
+
+    def __repr__(self) -> str:
+        return f"TieredBlockStore(local={self.local!r}, remote={self.remote!r})"
+
