@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
@@ -63,10 +64,9 @@ class TieredBlockStore:
         self.remote.read_into(wanted, [targets[i] for i in missing])
         self.remote_reads += len(wanted)
         found = dict(zip(wanted, (targets[i] for i in missing)))
-        try:
+        # When pinned blocks fill the local tier, the next read simply goes remote again.
+        with contextlib.suppress(StoreFullError):
             self.local.put({k: np.array(v) for k, v in found.items()})
-        except StoreFullError:
-            pass  # pinned blocks fill the local tier: the next read goes remote again
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         return self.remote.get_manifests(request_ids)
