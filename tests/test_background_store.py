@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from r3cache import RoutingLayout
-from r3cache.errors import StoreClosedError, StoreFullError, WriterError
+from r3cache.errors import StoreClosedError, StoreFullError, StoreUnavailableError, WriterError
 from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.memory import MemoryBlockStore
 
@@ -87,3 +87,17 @@ def test_close_drains_pending_writes_then_refuses_calls():
     assert seen == [5]
     with pytest.raises(StoreClosedError):
         store.put({"x": blk(1)})
+
+
+def test_a_stalled_writer_makes_put_fail_after_max_wait_not_hang():
+    inner = GatedStore(LAYOUT, "t")
+    store = BackgroundBlockStore(inner, max_pending=1, max_wait=0.2)
+    store.put({"a": blk(1)})  # taken by the writer, which stalls
+    store.put({"b": blk(2)})  # queued
+    began = time.perf_counter()
+    with pytest.raises(StoreUnavailableError, match="not written"):
+        store.put({"c": blk(3)})
+    assert 0.15 < time.perf_counter() - began < 2.0
+    inner.gate.set()
+    store.close()
+    assert inner.stats().blocks_written == 2

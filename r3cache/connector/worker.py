@@ -24,6 +24,7 @@ from r3cache.manifest import BlockRef, Manifest
 from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore
 from r3cache.store.memory import MemoryBlockStore
+from r3cache.store.process import spawn_writer
 from r3cache.store.tiered import TieredBlockStore
 
 
@@ -94,6 +95,7 @@ class WorkerConnector:
         max_concurrent_batches: int = 1,
         background: bool = True,
         local_tier_bytes: int = 1 << 30,
+        writer: str = "thread",
     ) -> None:
         if store.layout != layout:
             raise LayoutMismatchError(
@@ -107,9 +109,12 @@ class WorkerConnector:
         if isinstance(store, (BackgroundBlockStore, TieredBlockStore)):
             pass  # already off the inference thread
         elif not isinstance(store, MemoryBlockStore) and local_tier_bytes:
-            # A durable store gets an in-process tier: the engine's own prefix hits
-            # never wait on the writer or the network.
+            # A durable store gets an in-process tier, so the engine's own prefix hits
+            # never wait on the writer or the network. writer="process" moves encoding
+            # and Redis I/O to a helper process, off this process's GIL.
             local = MemoryBlockStore(layout, store.namespace, local_tier_bytes)
+            if writer == "process" and getattr(store, "reopen_args", None):
+                store = spawn_writer(store, max_pending=2 * max_num_seqs)
             store = TieredBlockStore(local, store, max_pending=2 * max_num_seqs)
         elif background:
             store = BackgroundBlockStore(store, max_pending=2 * max_num_seqs)

@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from r3cache.errors import StoreClosedError, WriterError
+from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.manifest import Manifest
 from r3cache.store.base import BlockStore, StoreStats
 
@@ -19,14 +19,18 @@ _STOP = object()
 class BackgroundBlockStore:
     """Own the writer thread and bounded queue in front of another BlockStore.
 
-    ``put`` only enqueues (it waits solely when the queue is full). Operations are
+    ``put`` only enqueues; when the queue is full it waits at most ``max_wait``
+    seconds, then raises StoreUnavailableError (the engine never stalls for good
+    on a dead store). Operations are
     applied in order, so a read after a ``put`` sees it: reads drain the queue
     first. The first failure is sticky: every later call raises WriterError whose
     ``__cause__`` is the original error, and nothing after it is applied.
     """
 
-    def __init__(self, inner: BlockStore, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    def __init__(self, inner: BlockStore, max_pending: int = DEFAULT_MAX_PENDING,
+                 max_wait: float = 10.0) -> None:
         self.inner = inner
+        self.max_wait = max_wait
         self.layout = inner.layout
         self.namespace = inner.namespace
         self.hash_algo = inner.hash_algo
@@ -47,7 +51,14 @@ class BackgroundBlockStore:
     ) -> None:
         self._check()
         if objects or retain_keys or release_keys or manifests:
-            self._queue.put((objects, retain_keys, release_keys, manifests))
+            try:
+                self._queue.put((objects, retain_keys, release_keys, manifests),
+                                timeout=self.max_wait)
+            except queue.Full:
+                raise StoreUnavailableError(
+                    f"namespace {self.namespace!r}: the writer has not taken a batch for "
+                    f"{self.max_wait:g} s (store down or stalled?); this batch was not written"
+                ) from None
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         self.flush()

@@ -109,6 +109,7 @@ class RedisBlockStore:
         # What this owner holds, as it asked: close() drops exactly these holds.
         self._holds: Counter[str] = Counter()
         self._closed = False
+        self.reopen_args: tuple[str, dict] | None = None  # set by open_redis_store
         self._lease: _Lease | None = None
         with redis_errors(namespace, "opening the namespace"):
             # Loaded up front so the first batch needs no NOSCRIPT round trip per node.

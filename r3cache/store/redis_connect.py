@@ -104,7 +104,11 @@ def open_redis_store(url: str, *, layout: RoutingLayout | None, namespace: str,
     try:
         if layout is None:
             layout = _stored_layout(nodes, KeySchema(namespace), display)
-        return RedisBlockStore(nodes, layout, namespace, store_options, display)
+        store = RedisBlockStore(nodes, layout, namespace, store_options, display)
+        # To open the same namespace again in a helper process; holds credentials,
+        # so it never appears in repr or errors.
+        store.reopen_args = (url, dict(options))
+        return store
     except BaseException:
         nodes.close()
         raise

@@ -12,6 +12,7 @@ from r3cache.manifest import Manifest
 from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore, StoreStats
 from r3cache.store.memory import MemoryBlockStore
+from r3cache.store.process import ProcessWriter
 
 
 class TieredBlockStore:
@@ -29,7 +30,8 @@ class TieredBlockStore:
         if local.layout != remote.layout:
             raise LayoutMismatchError("the local and durable tiers must share a layout")
         self.local = local
-        self.remote = remote if isinstance(remote, BackgroundBlockStore) \
+        # A ProcessWriter is already off this process; a plain store gets a thread.
+        self.remote = remote if isinstance(remote, (BackgroundBlockStore, ProcessWriter)) \
             else BackgroundBlockStore(remote, max_pending=max_pending)
         self.layout = remote.layout
         self.namespace = remote.namespace

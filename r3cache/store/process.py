@@ -1,0 +1,223 @@
+"""ProcessWriter: a durable store's writes applied by a helper process, off the engine's GIL."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
+from r3cache.layout import RoutingLayout
+from r3cache.manifest import Manifest
+from r3cache.store.base import StoreStats
+
+_POLL = 0.5  # seconds between the helper's checks that the engine process still lives
+
+
+def _serve(connection: Connection) -> None:
+    """The helper process: open the store, apply puts in order, answer flushes."""
+    from r3cache.store.redis_connect import open_redis_store
+
+    _, url, fingerprint, namespace, options, parent = connection.recv()
+    try:
+        store = open_redis_store(url, layout=RoutingLayout.from_fingerprint(fingerprint),
+                                 namespace=namespace, **options)
+    except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
+        connection.send(("error", type(exc).__name__, str(exc)))
+        return
+    connection.send(("ready", store.owner))
+    failed = False
+    while True:
+        try:
+            if not connection.poll(_POLL):
+                if os.getppid() != parent:
+                    return  # the engine died: as after a crash, the lease expires and
+                continue    # the janitor reclaims the holds
+            message = connection.recv()
+        except (EOFError, OSError):
+            return
+        kind = message[0]
+        if kind == "put" and not failed:
+            _, keys, stacked, retain, release, manifests = message
+            try:
+                store.put(dict(zip(keys, stacked)) if keys else {}, retain, release, manifests)
+            except Exception as exc:  # noqa: BLE001 - sticky, reported once
+                failed = True
+                connection.send(("error", type(exc).__name__, str(exc)))
+        elif kind == "flush":
+            connection.send(("flushed", message[1]))
+        elif kind == "close":
+            store.close()
+            connection.send(("closed",))
+            return
+
+
+class ProcessWriter:
+    """Own a helper process that writes to a Redis store, and a read handle in this process.
+
+    ``put`` hands the batch to a feeder thread through a bounded queue and returns;
+    the feeder sends it to the helper process (``python -m r3cache.store.helper``),
+    which encodes, writes and keeps the holds as its own owner (its lease dies with
+    it). If the queue stays full for ``max_wait`` seconds (Redis down or stalled),
+    ``put`` raises StoreUnavailableError instead of stalling the engine. The first
+    failure in the helper is sticky: every later call raises WriterError.
+    """
+
+    def __init__(self, url: str, layout: RoutingLayout, namespace: str, options: dict,
+                 *, max_pending: int = 512, max_wait: float = 10.0) -> None:
+        from r3cache.store.redis_connect import open_redis_store
+
+        self.layout = layout
+        self.namespace = namespace
+        self.max_wait = max_wait
+        ours, theirs = socket.socketpair()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "r3cache.store.helper", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()])
+        theirs.close()
+        self._connection = Connection(ours.detach())
+        self._connection.send(("open", url, layout.fingerprint, namespace, options,
+                               os.getpid()))
+        self._outbox: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: str | None = None
+        self._closed = False
+        self._flushes = 0
+        reply = self._reply(timeout=60.0)
+        if reply[0] != "ready":
+            self._process.wait(10)
+            raise WriterError(f"the writer process could not open {namespace!r}: "
+                              f"{reply[1]}: {reply[2]}")
+        self._feeder = threading.Thread(target=self._feed, daemon=True,
+                                        name=f"r3cache-feeder-{namespace}")
+        self._feeder.start()
+        read_options = {k: v for k, v in options.items()
+                        if k not in ("owner", "lease", "janitor")}
+        self.reader = open_redis_store(url, layout=layout, namespace=namespace, lease=False,
+                                       janitor=False, owner=reply[1], **read_options)
+        self.hash_algo = self.reader.hash_algo
+        self.owner = reply[1]
+
+    def _feed(self) -> None:
+        """Send queued messages to the helper, in order (pickling happens here)."""
+        while True:
+            message = self._outbox.get()
+            try:
+                self._connection.send(message)
+            except OSError:
+                return  # the helper is gone; _check reports it
+            if message[0] == "close":
+                return
+
+    def put(
+        self,
+        objects: Mapping[str, np.ndarray],
+        retain_keys: Collection[str] = (),
+        release_keys: Sequence[str] = (),
+        manifests: Sequence[Manifest] = (),
+    ) -> None:
+        self._check()
+        if not (objects or retain_keys or release_keys or manifests):
+            return
+        # One stacked array pickles as a single buffer; a dict of small arrays does not.
+        stacked = np.stack(list(objects.values())) if objects else None
+        try:
+            self._outbox.put(("put", list(objects), stacked, list(retain_keys),
+                              list(release_keys), list(manifests)), timeout=self.max_wait)
+        except queue.Full:
+            raise StoreUnavailableError(
+                f"namespace {self.namespace!r}: the writer has not taken a batch for "
+                f"{self.max_wait:g} s (Redis down or stalled?); this batch was not written"
+            ) from None
+
+    def flush(self) -> None:
+        """Return once the helper applied every earlier put (or raise its error)."""
+        self._check()
+        self._flushes += 1
+        self._outbox.put(("flush", self._flushes))
+        while True:
+            reply = self._reply(timeout=None)
+            if reply[0] == "flushed" and reply[1] == self._flushes:
+                break
+        self._check()
+
+    def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
+        self.flush()
+        self.reader.read_into(keys, targets)
+
+    def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
+        self.flush()
+        return self.reader.get_concatenated(keys)
+
+    def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
+        self.flush()
+        return self.reader.get_manifests(request_ids)
+
+    def release_manifests(self, request_ids: Sequence[str]) -> int:
+        self.flush()
+        return self.reader.release_manifests(request_ids)
+
+    def stats(self) -> StoreStats:
+        self.flush()
+        return self.reader.stats()
+
+    def close(self) -> None:
+        """Drain the queue, let the helper drop its holds and lease, and stop it."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._process.poll() is None:
+                self._outbox.put(("close",))
+                while self._reply(timeout=60.0)[0] not in ("closed", "error"):
+                    pass
+            self._process.wait(10)
+        finally:
+            self._connection.close()
+            self.reader.close()
+        if self._error:
+            raise WriterError(self._error)
+
+    def _reply(self, timeout: float | None) -> tuple:
+        try:
+            if not self._connection.poll(timeout):
+                raise StoreUnavailableError(
+                    f"the writer process for {self.namespace!r} did not answer")
+            reply = self._connection.recv()
+        except (EOFError, OSError):
+            raise WriterError(f"the writer process for {self.namespace!r} exited "
+                              f"(code {self._process.poll()})") from None
+        if reply[0] == "error":
+            self._error = (f"background writer for namespace {self.namespace!r} failed: "
+                           f"{reply[1]}: {reply[2]}")
+        return reply
+
+    def _check(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.namespace!r} is closed")
+        while self._connection.poll(0):
+            self._reply(timeout=0)
+        if self._error:
+            raise WriterError(self._error)
+        if self._process.poll() is not None:
+            raise WriterError(f"the writer process for {self.namespace!r} exited "
+                              f"(code {self._process.returncode})")
+
+    def __repr__(self) -> str:
+        return f"ProcessWriter({self.reader!r})"
+
+
+def spawn_writer(store: Any, **kwargs: Any) -> ProcessWriter:
+    """A ProcessWriter for the namespace of an open RedisBlockStore, which it then closes."""
+    url, options = store.reopen_args
+    writer = ProcessWriter(url, store.layout, store.namespace, options, **kwargs)
+    store.close()
+    return writer
+
