@@ -10,8 +10,9 @@ an inference engine makes every step, for:
 
 against the embedded store and, with --redis, a redis-server and a 6-node cluster
 that the script starts itself (two tiers: the connector's in-process tier in front
-of Redis), printing each store's ratio to the embedded store. --store URL adds any
-other store. Layout: L=48, K=8, 128 experts (uint8), block size 16.
+of Redis; writes by a thread, and by a helper process: "/proc"), printing each
+store's ratio to the embedded store. --store URL adds any other store.
+Layout: L=48, K=8, 128 experts (uint8), block size 16.
 
     python scripts/bench_step.py [--steps 400] [--redis] [--store URL]
 """
@@ -40,12 +41,13 @@ class Driver:
     """Own a worker connector and the scheduler-side bookkeeping a benchmark needs."""
 
     url = "memory://"
+    writer = "thread"
 
     def __init__(self, max_num_seqs: int, max_tokens: int) -> None:
         store = open_store(Driver.url, layout=LAYOUT, namespace=f"bench-step-{_RUN[0]}")
         _RUN[0] += 1
         self.worker = WorkerConnector(layout=LAYOUT, store=store, max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_tokens)
+                                      max_num_batched_tokens=max_tokens, writer=Driver.writer)
         self.rng = np.random.default_rng(0)
         self.rows = self.rng.integers(0, 128, (max_tokens, 48, 8)).astype(np.uint8)
         self.times: list[float] = []
@@ -154,8 +156,8 @@ CASES = [
 ]
 
 
-def run_store(label: str, url: str, steps: int, baseline: dict) -> None:
-    Driver.url = url
+def run_store(label: str, url: str, steps: int, baseline: dict, writer: str = "thread") -> None:
+    Driver.url, Driver.writer = url, writer
     for name, bench in CASES:
         times = np.array(bench(steps)) * 1e3
         median, p90 = np.median(times), np.percentile(times, 90)
@@ -185,8 +187,10 @@ def main() -> None:
 
         with RedisServer() as server:
             run_store("redis", server.url, args.steps, baseline)
+            run_store("redis/proc", server.url, args.steps, baseline, "process")
         with RedisClusterProcesses() as cluster:
             run_store("cluster", cluster.url, args.steps, baseline)
+            run_store("cluster/proc", cluster.url, args.steps, baseline, "process")
 
 
 if __name__ == "__main__":
