@@ -30,7 +30,8 @@ def redis_errors(namespace: str, what: str) -> Iterator[None]:
             f"{what} in namespace {namespace!r}: Redis unavailable ({type(exc).__name__}: {exc})"
         ) from None
     except redis.exceptions.ResponseError as exc:
-        if str(exc).startswith("OOM"):
+        # redis-py strips the "OOM" prefix when it raises OutOfMemoryError.
+        if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
             raise StoreFullError(
                 f"{what} in namespace {namespace!r}: Redis is out of memory ({exc}); "
                 "nothing of the refused command was written"

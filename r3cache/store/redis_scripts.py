@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 
 _SHEBANG = "#!lua flags=allow-cross-slot-keys\n"
+# Holds must change even when Redis is out of memory: releasing is how memory frees up.
+_HOLDS_SHEBANG = "#!lua flags=allow-cross-slot-keys,allow-oom\n"
 
 # After a key's holds changed: pinned blocks lose their TTL (so volatile-* eviction
 # cannot take them); a block nobody holds gets the idle TTL, 10 ms longer per rank,
@@ -29,7 +31,7 @@ end
 # ARGV: owner, idle_ms, then per key 5 values: block key, refs key, retain, release, rank.
 # Applies this owner's retains, then its releases (never below zero), then settles
 # each block's TTL. Block bytes never pass through Lua: they go by native SET NX.
-HOLDS = _SHEBANG + _SETTLE + """
+HOLDS = _HOLDS_SHEBANG + _SETTLE + """
 local owner, idle_ms = ARGV[1], tonumber(ARGV[2])
 for i = 3, #ARGV, 5 do
   redis.call('EXISTS', ARGV[i], ARGV[i + 1])
@@ -58,7 +60,7 @@ return out
 
 # ARGV: idle_ms, number of owners n, n owners, then pairs (refs key, block key).
 # Drops every hold of those owners; returns how many holds were dropped.
-RECLAIM = _SHEBANG + _SETTLE + """
+RECLAIM = _HOLDS_SHEBANG + _SETTLE + """
 local idle_ms, n = tonumber(ARGV[1]), tonumber(ARGV[2])
 for i = 3 + n, #ARGV, 2 do
   redis.call('EXISTS', ARGV[i], ARGV[i + 1])
