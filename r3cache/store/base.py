@@ -26,6 +26,7 @@ class StoreStats:
     conflicts: int  # puts of a key already stored with different rows
     evictions: int  # unreferenced blocks dropped to make room
     manifests: int = 0  # request manifests stored
+    unreplicated: int = 0  # blocks written while no replica acknowledged (wait_replicas)
 
 
 @runtime_checkable

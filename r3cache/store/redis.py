@@ -67,6 +67,8 @@ class RedisOptions:
     lease: bool = True  # False: an admin or reader handle that holds nothing
     manifest_ttl: float = DEFAULT_MANIFEST_TTL
     hash_algo: str = "sha256"  # how the engine hashes KV blocks (vLLM's prefix-caching algo)
+    wait_replicas: int = 0  # durability: a write is acknowledged once this many replicas have it
+    wait_timeout: float = 2.0
 
 
 class _KeyOps:
@@ -171,6 +173,10 @@ class RedisBlockStore:
             offset = 1 if any(ops[names[i]].retain for i in indices) else 0
             for i, old in zip(written, replies[offset:]):
                 self._count(names[i], ops[names[i]], old)
+            if self.options.wait_replicas and replies[-1] < self.options.wait_replicas:
+                # Stored, but not yet on a replica (a shard lost its replica to a
+                # failover): counted; if this primary dies too, reads fail typed.
+                self._counts["unreplicated"] += len(written)
 
     def _record(self, manifests: Sequence[Manifest]) -> None:
         """Two rounds: each manifest's holds on its blocks, then the manifests themselves."""
@@ -274,6 +280,9 @@ class RedisBlockStore:
         commands += writes
         if after:
             commands.append(HOLDS_SCRIPT.command(*head, *after))
+        if self.options.wait_replicas:
+            commands.append(("WAIT", self.options.wait_replicas,
+                             int(self.options.wait_timeout * 1000)))
         return commands
 
     def _track_holds(self, retain_keys: Collection[str], release_keys: Sequence[str]) -> None:
@@ -368,6 +377,7 @@ class RedisBlockStore:
             conflicts=self._counts["conflicts"],
             evictions=0,
             manifests=len(manifests),
+            unreplicated=self._counts["unreplicated"],
         )
 
     def refcount(self, key: str) -> int:

@@ -179,8 +179,8 @@ _TOPOLOGY = (redis.exceptions.MovedError, redis.exceptions.AskError,
              redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
              redis.exceptions.ReadOnlyError, redis.exceptions.BusyLoadingError,
              redis.exceptions.MasterDownError)
-_TOPOLOGY_TEXT = ("non local key", "MOVED", "ASK", "READONLY", "CLUSTERDOWN", "TRYAGAIN",
-                  "LOADING", "MASTERDOWN")
+_TOPOLOGY_TEXT = ("non local key", "cluster is down", "MOVED", "ASK", "READONLY",
+                  "CLUSTERDOWN", "TRYAGAIN", "LOADING", "MASTERDOWN")
 
 
 def is_topology_error(reply: Any) -> bool:
