@@ -444,7 +444,8 @@ class RedisBlockStore:
         meta = self.keys.meta
         args = [meta, *(str(x) for kv in fields.items() for x in kv)]
         reply = self.client_for(meta).execute_command(*OPEN_NAMESPACE_SCRIPT.command(*args))
-        self.client_for(NAMESPACES_KEY).sadd(NAMESPACES_KEY, self.namespace)
+        if self.options.lease:  # read-only handles (trainers) write nothing
+            self.client_for(NAMESPACES_KEY).sadd(NAMESPACES_KEY, self.namespace)
         stored = {k.decode(): v.decode() for k, v in zip(reply[::2], reply[1::2])}
         for name in ("fingerprint", "codec", "format_version", "hash_algo"):
             if stored.get(name) != str(fields[name]):

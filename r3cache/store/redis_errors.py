@@ -30,6 +30,10 @@ def redis_errors(namespace: str, what: str) -> Iterator[None]:
             f"{what} in namespace {namespace!r}: Redis unavailable ({type(exc).__name__}: {exc})"
         ) from None
     except redis.exceptions.ResponseError as exc:
+        if "can't run this command" in str(exc) or str(exc).startswith("NOPERM"):
+            # An ACL refusal inside a script arrives as a plain error reply.
+            raise StoreAccessError(f"{what} in namespace {namespace!r} was refused: {exc}") \
+                from None
         # redis-py strips the "OOM" prefix when it raises OutOfMemoryError.
         if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
             raise StoreFullError(
