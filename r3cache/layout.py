@@ -91,3 +91,10 @@ class RoutingLayout:
             )
         if rows.dtype != self.dtype:
             raise LayoutMismatchError(f"{what} have dtype {rows.dtype}, expected {self.dtype}")
+
+    def check_block(self, rows: np.ndarray, what: str = "block") -> None:
+        """Raise LayoutMismatchError unless ``rows`` is one whole block of this layout."""
+        self.check_rows(rows, what)
+        if len(rows) != self.block_size:
+            raise LayoutMismatchError(
+                f"{what} has {len(rows)} rows, a block has {self.block_size}")

@@ -3,17 +3,17 @@
 A manifest covers positions ``[prompt_start, num_tokens - 1)`` as an ordered list of
 segments: a stored block (whole, or a slice of it) referenced by key, or rows held
 inline (a partial tail, a block that never got a hash, or a block whose stored bytes
-are another writer's). Inline rows are encoded with the block codec, so every byte of
-a manifest is checksummed.
+are another writer's). Inline rows are encoded with the block codec, and a checksum
+over the request id and every field catches any other change.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+import xxhash
 
 from r3cache import codec
 from r3cache.errors import CorruptBlockError, LayoutMismatchError
@@ -75,6 +75,7 @@ class Manifest:
                 names.append(f"#{i}")
                 fields[f"inline:{i}"] = codec.encode_rows(segment, layout)
         fields["segments"] = " ".join(names)
+        fields["checksum"] = _checksum(self.request_id, fields)
         return fields
 
     @classmethod
@@ -84,6 +85,8 @@ class Manifest:
         where = f"manifest of request {request_id!r}"
         try:
             text = {k.decode(): v for k, v in fields.items()}
+            if text.pop("checksum", b"").decode() != _checksum(request_id, text):
+                raise CorruptBlockError(where, "checksum mismatch (a field was changed)")
             if text["format"].decode() != FORMAT:
                 raise ValueError(f"format {text['format']!r}")
             fingerprint = text["layout"].decode()
@@ -126,5 +129,12 @@ class Manifest:
                 f"segments hold {rows} rows, the request has {self.completion.num_rows}")
 
 
-def new_expiry(ttl: float) -> float:
-    return time.time() + ttl
+def _checksum(request_id: str, fields: dict) -> str:
+    """XXH3-64 over the request id and every field, in name order."""
+    digest = xxhash.xxh3_64(request_id.encode())
+    for name in sorted(fields):
+        value = fields[name]
+        for part in (name.encode(), value if isinstance(value, bytes) else value.encode()):
+            digest.update(len(part).to_bytes(4, "little"))
+            digest.update(part)
+    return digest.hexdigest()

@@ -102,10 +102,12 @@ def test_a_corrupted_block_names_the_request(reader):
 @pytest.mark.parametrize(
     ("field", "mangle", "reason"),
     [
-        (b"segments", lambda v: v.rsplit(b" ", 1)[0], "segments hold"),
-        (b"num_tokens", lambda v: b"9999", "segments hold"),
-        (b"format", lambda v: b"7", "malformed"),
-        (b"inline:", lambda v: v[:-3], "inline segment"),
+        (b"segments", lambda v: v.rsplit(b" ", 1)[0], "checksum mismatch"),
+        (b"num_tokens", lambda v: b"9999", "checksum mismatch"),
+        (b"format", lambda v: b"7", "checksum mismatch"),
+        (b"inline:", lambda v: v[:-3], "checksum mismatch"),
+        (b"expires_at", lambda v: b"1", "checksum mismatch"),
+        (b"checksum", lambda v: v[::-1], "checksum mismatch"),
     ],
 )
 def test_a_tampered_manifest_is_detected(reader, field, mangle, reason):

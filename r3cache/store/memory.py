@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreClosedError, StoreFullError
+from r3cache.errors import BlockNotFoundError, StoreClosedError, StoreFullError
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
@@ -51,11 +51,7 @@ class MemoryBlockStore:
         manifests: Sequence[Manifest] = (),
     ) -> None:
         for key, rows in objects.items():
-            if rows.shape != self.layout.block_shape or rows.dtype != self.layout.dtype:
-                raise LayoutMismatchError(
-                    f"block {key!r} has shape {rows.shape} {rows.dtype}, expected "
-                    f"{self.layout.block_shape} {self.layout.dtype}"
-                )
+            self.layout.check_block(rows, f"block {key!r}")
         with self._lock:
             self._check_open()
             new = {k: v for k, v in objects.items() if k not in self._blocks}

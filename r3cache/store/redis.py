@@ -139,7 +139,7 @@ class RedisBlockStore:
         if (retain_keys or release_keys or manifests) and self._lease is None:
             raise ContractError("a store opened with lease=False cannot hold blocks")
         for key, rows in objects.items():
-            self.layout.check_rows(rows, f"block {key!r}")  # before anything is sent
+            self.layout.check_block(rows, f"block {key!r}")  # before anything is sent
         with redis_errors(self.namespace, "writing blocks"):
             if not manifests:
                 self._write(objects, retain_keys, release_keys)
