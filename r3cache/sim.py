@@ -104,6 +104,7 @@ class SimConfig:
     reset_prefix_cache_when_idle: bool = False
     keep_manifests: bool = False  # leave them for a trainer instead of releasing after checks
     clear_local_tier_every: int = 0  # steps; a two-tier store then re-reads from Redis
+    verify_manifests: bool = True
     max_steps: int = 200_000
     seed: int = 0
 
@@ -484,7 +485,8 @@ class Engine:
                         f"{req.id}: row for position {req.spec.prompt_start + bad} differs")
                 else:
                     report.rows_verified += len(got)
-        self._verify_manifests(everyone)
+        if self.config.verify_manifests:
+            self._verify_manifests(everyone)
         if self.worker.num_requests:
             report.failures.append(f"worker still holds {self.worker.num_requests} request(s)")
         stats = self.worker.store.stats()

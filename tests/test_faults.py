@@ -116,3 +116,73 @@ def test_publication_survives_a_primary_killed_mid_run():
             ids = sorted(report.online)
             for request_id, rows in zip(ids, reader.get_many(ids)):
                 assert rows.tobytes() == report.online[request_id].tobytes()
+
+
+def _stalled_run(server, policy: str):
+    """A simulator run while Redis refuses writes for 3 s (CLIENT PAUSE WRITE)."""
+    from r3cache import WorkerConnector
+    from r3cache.sim import Engine
+
+    store = open_store(server.url, layout=LAYOUT, namespace=f"stall-{policy}", idle_ttl=120,
+                       socket_timeout=30)
+    worker = WorkerConnector(layout=LAYOUT, store=store, max_num_seqs=4,
+                             max_concurrent_batches=2, store_wait=0.3, on_unavailable=policy)
+    workload = grpo_workload(num_prompts=6, samples=4, system_len=32, prompt_len=(16, 80),
+                             output_len=(40, 200), vocab=5000, seed=3)
+
+    def pause():
+        time.sleep(0.1)
+        server.client().execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+
+    threading.Thread(target=pause, daemon=True).start()
+    engine = Engine(LAYOUT, worker, SimConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                              keep_manifests=True, verify_manifests=False,
+                                              seed=3))
+    return engine, worker, workload
+
+
+def test_a_stalled_redis_raises_at_the_next_step_within_the_bound():
+    from r3cache.errors import StoreUnavailableError
+
+    with RedisServer() as server:
+        engine, worker, workload = _stalled_run(server, "raise")
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="not written|still pending"):
+            engine.run(workload)
+        assert max(engine.report.step_seconds, default=0) < 1.0
+        assert time.monotonic() - began < 3.0  # raised during the 3 s stall, not after it
+        server.client().execute_command("CLIENT", "UNPAUSE")
+        worker.close()  # the refused batch is gone; everything before it drains
+
+
+def test_a_stalled_redis_marks_requests_incomplete_and_the_run_goes_on():
+    from r3cache.errors import BlockNotFoundError
+
+    with RedisServer() as server:
+        engine, worker, workload = _stalled_run(server, "incomplete")
+        report = engine.run(workload)
+        # Every request got its rows online; releases lost with the dropped batches leave
+        # holds behind until close() drops this owner's holds whole.
+        assert all(f.startswith("store still pins") for f in report.failures)
+        assert report.rows_verified == sum(len(r.tokens) - 1 for r in workload)
+        assert max(report.step_seconds) < 1.0  # no step waited beyond the bound (0.3 s)
+        dropped = worker.store.remote.dropped_batches
+        assert dropped > 0
+        worker.close()
+        client = server.client()
+        engine_holds = [owner for key in client.scan_iter(match="r3:stall-incomplete:r:*")
+                        for owner in client.hkeys(key) if not owner.startswith(b"m:")]
+        assert engine_holds == []  # close() dropped the engine's leftover holds
+        complete = incomplete = 0
+        with R3Reader(server.url, namespace="stall-incomplete") as reader:
+            for request_id, online in report.online.items():
+                try:
+                    rows = reader.get(request_id)
+                except BlockNotFoundError:  # includes ManifestNotFoundError
+                    incomplete += 1
+                    continue
+                assert rows.tobytes() == online.tobytes()  # never wrong rows
+                complete += 1
+        print(f"{dropped} batch(es) dropped; {complete} request(s) complete, "
+              f"{incomplete} incomplete")
+        assert incomplete > 0 and complete + incomplete == len(workload)

@@ -96,6 +96,8 @@ class WorkerConnector:
         background: bool = True,
         local_tier_bytes: int = 1 << 30,
         writer: str = "thread",
+        store_wait: float = 10.0,
+        on_unavailable: str = "raise",
     ) -> None:
         if store.layout != layout:
             raise LayoutMismatchError(
@@ -114,10 +116,12 @@ class WorkerConnector:
             # and Redis I/O to a helper process, off this process's GIL.
             local = MemoryBlockStore(layout, store.namespace, local_tier_bytes)
             if writer == "process" and getattr(store, "reopen_args", None):
-                store = spawn_writer(store, max_pending=2 * max_num_seqs)
-            store = TieredBlockStore(local, store, max_pending=2 * max_num_seqs)
+                store = spawn_writer(store, max_pending=2 * max_num_seqs, max_wait=store_wait)
+            store = TieredBlockStore(local, store, max_pending=2 * max_num_seqs,
+                                     max_wait=store_wait, on_unavailable=on_unavailable)
         elif background:
-            store = BackgroundBlockStore(store, max_pending=2 * max_num_seqs)
+            store = BackgroundBlockStore(store, max_pending=2 * max_num_seqs,
+                                         max_wait=store_wait, on_unavailable=on_unavailable)
         self.store = store
         self.stats = WorkerStats()
         self._table = RequestTable(layout, max_num_seqs)

@@ -8,11 +8,14 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
+from r3cache.errors import ContractError, StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.manifest import Manifest
 from r3cache.store.base import BlockStore, StoreStats
 
 DEFAULT_MAX_PENDING = 512
+# What an unavailable store does to the engine: "raise" a typed error at the next call,
+# or drop the batch and go on ("incomplete": those requests' read-back fails clearly).
+POLICIES = ("raise", "incomplete")
 _STOP = object()
 
 
@@ -28,9 +31,13 @@ class BackgroundBlockStore:
     """
 
     def __init__(self, inner: BlockStore, max_pending: int = DEFAULT_MAX_PENDING,
-                 max_wait: float = 10.0) -> None:
+                 max_wait: float = 10.0, on_unavailable: str = "raise") -> None:
+        if on_unavailable not in POLICIES:
+            raise ContractError(f"on_unavailable must be one of {POLICIES}")
         self.inner = inner
         self.max_wait = max_wait
+        self.on_unavailable = on_unavailable
+        self.dropped_batches = 0  # batches lost to an unavailable store ("incomplete")
         self.layout = inner.layout
         self.namespace = inner.namespace
         self.hash_algo = inner.hash_algo
@@ -55,6 +62,11 @@ class BackgroundBlockStore:
                 self._queue.put((objects, retain_keys, release_keys, manifests),
                                 timeout=self.max_wait)
             except queue.Full:
+                if self.on_unavailable == "incomplete":
+                    # The requests of this batch are incomplete: their read-back fails
+                    # with ManifestNotFoundError or BlockNotFoundError, never wrong rows.
+                    self.dropped_batches += 1
+                    return
                 raise StoreUnavailableError(
                     f"namespace {self.namespace!r}: the writer has not taken a batch for "
                     f"{self.max_wait:g} s (store down or stalled?); this batch was not written"
@@ -77,8 +89,15 @@ class BackgroundBlockStore:
         self.inner.read_into(keys, targets)
 
     def flush(self) -> None:
+        """Wait for every earlier put, at most ``max_wait`` seconds (then a typed error)."""
         self._check()
-        self._queue.join()
+        done = self._queue.all_tasks_done
+        with done:
+            if not done.wait_for(lambda: not self._queue.unfinished_tasks,
+                                 timeout=self.max_wait):
+                raise StoreUnavailableError(
+                    f"namespace {self.namespace!r}: earlier writes still pending after "
+                    f"{self.max_wait:g} s (store down or stalled?)")
         self._check()
 
     def stats(self) -> StoreStats:
@@ -110,6 +129,11 @@ class BackgroundBlockStore:
                     return
                 if self._error is None:
                     self.inner.put(*item)
+            except StoreUnavailableError as exc:
+                if self.on_unavailable == "incomplete":
+                    self.dropped_batches += 1  # this batch is lost; the next may succeed
+                else:
+                    self._error = exc
             except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller
                 self._error = exc
             finally:

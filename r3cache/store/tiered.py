@@ -26,13 +26,13 @@ class TieredBlockStore:
     """
 
     def __init__(self, local: MemoryBlockStore, remote: BlockStore,
-                 max_pending: int = 512) -> None:
+                 max_pending: int = 512, **writer_options) -> None:
         if local.layout != remote.layout:
             raise LayoutMismatchError("the local and durable tiers must share a layout")
         self.local = local
         # A ProcessWriter is already off this process; a plain store gets a thread.
         self.remote = remote if isinstance(remote, (BackgroundBlockStore, ProcessWriter)) \
-            else BackgroundBlockStore(remote, max_pending=max_pending)
+            else BackgroundBlockStore(remote, max_pending=max_pending, **writer_options)
         self.layout = remote.layout
         self.namespace = remote.namespace
         self.hash_algo = remote.hash_algo
