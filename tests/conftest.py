@@ -175,3 +175,20 @@ def store_url(request) -> str:
         "cluster": lambda: request.getfixturevalue("cluster_url"),
         "docker": lambda: request.getfixturevalue("docker_redis_url"),
     }[request.param]()
+
+
+def log_reliability(test: str, fault: str, load: str, checked: str, figures: str) -> None:
+    """Append one fault case's outcome for docs/RELIABILITY.md (scripts/reliability_report.py)."""
+    import json
+
+    path = os.environ.get("R3CACHE_RELIABILITY_LOG")
+    if path:
+        with open(path, "a") as log:
+            log.write(json.dumps({"test": test, "fault": fault, "load": load,
+                                  "checked": checked, "figures": figures}) + "\n")
+
+
+@pytest.fixture
+def reliability(request):
+    """``reliability(fault, load, checked, figures)`` records this test's case."""
+    return lambda *fields: log_reliability(request.node.nodeid, *fields)

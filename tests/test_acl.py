@@ -48,7 +48,7 @@ def test_the_engine_user_runs_everything_the_engine_needs(server):
         assert reader.release("r0") == 1
 
 
-def test_the_trainer_user_reads_but_cannot_write(server):
+def test_the_trainer_user_reads_but_cannot_write(server, reliability):
     engine = url(server, "r3-engine", "engine-pw")
     trainer = url(server, "r3-trainer", "trainer-pw")
     workload = [SimRequest("r0", list(range(20)), list(range(9)))]
@@ -62,3 +62,8 @@ def test_the_trainer_user_reads_but_cannot_write(server):
         open_store(trainer, layout=LAYOUT, namespace="acl3")  # would create a namespace
     with pytest.raises(StoreAccessError):
         open_store(url(server, "r3-engine", "wrong"), layout=LAYOUT, namespace="acl")
+    reliability("ACL users from the README (default user off)",
+                "engine: simulator, janitor, release; trainer: read-back",
+                "the engine user runs everything; the trainer user reads exact rows and is "
+                "refused any write, typed", "trainer release and namespace creation -> "
+                "StoreAccessError")

@@ -173,7 +173,7 @@ os._exit(0)  # a crash: no release, no close
 """
 
 
-def test_a_crashed_owners_holds_are_reclaimed_after_its_lease(url, namespace):
+def test_a_crashed_owners_holds_are_reclaimed_after_its_lease(url, namespace, reliability):
     survivor = open_store(url, layout=LAYOUT, namespace=namespace, owner="survivor")
     try:
         survivor.put({}, retain_keys=["k2"])
@@ -190,6 +190,10 @@ def test_a_crashed_owners_holds_are_reclaimed_after_its_lease(url, namespace):
         assert ttl["k1"] > 0  # nobody holds it any more: it can expire
         assert ttl["k2"] == -1 and survivor.refcount("k2") == 1  # the survivor's hold stays
         assert reclaim_dead_owners(survivor).dead_owners == ()  # forgotten once reclaimed
+        reliability(f"an owner process exits without releasing ({url.split(':')[0]})",
+                    "2 blocks held by the crashed owner, 1 by a live one",
+                    "after the 1 s lease the janitor drops the dead owner's holds only",
+                    "2 holds dropped, its block got the idle TTL, the live hold intact")
     finally:
         survivor.put({}, release_keys=["k2"])
         survivor.close()
@@ -215,7 +219,7 @@ def test_the_janitor_runs_when_a_store_opens_and_as_r3cache_gc(url, namespace):
         store.close()
 
 
-def test_credentials_are_checked_and_never_shown(namespace):
+def test_credentials_are_checked_and_never_shown(namespace, reliability):
     with RedisServer("--requirepass", "s3cret-pw") as server:
         url = f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"
         s = open_store(url, layout=LAYOUT, namespace=namespace)
@@ -233,6 +237,9 @@ def test_credentials_are_checked_and_never_shown(namespace):
                        namespace=namespace)
         np.testing.assert_array_equal(s.get_concatenated(["k"]), blk(1))
         s.close()
+        reliability("requirepass and an ACL user; a wrong password",
+                    "open, put, read", "wrong credentials -> StoreAccessError; no password "
+                    "in repr or errors", "checked: repr and message free of the secret")
 
 
 def test_unix_socket_urls(tmp_path, namespace):
@@ -264,7 +271,7 @@ def _make_tls_files(directory) -> dict[str, str]:
     return files
 
 
-def test_tls_urls_with_a_self_signed_ca(tmp_path, namespace):
+def test_tls_urls_with_a_self_signed_ca(tmp_path, namespace, reliability):
     files = _make_tls_files(tmp_path)
     from r3cache.testing import free_port
 
@@ -282,6 +289,9 @@ def test_tls_urls_with_a_self_signed_ca(tmp_path, namespace):
         with pytest.raises(StoreUnavailableError):
             open_store(f"redis://127.0.0.1:{port}/0?socket_timeout=1", layout=LAYOUT,
                        namespace=namespace, retries=0)
+        reliability("TLS-only redis-server with a self-signed CA", "put, hold, read, release",
+                    "rediss:// with ssl_ca_certs works; plain text is refused, typed",
+                    "round trip exact; plaintext -> StoreUnavailableError")
 
 
 def test_an_unreachable_server_is_a_typed_error(namespace):
