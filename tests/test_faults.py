@@ -230,6 +230,7 @@ def test_a_stalled_redis_marks_requests_incomplete_and_the_run_goes_on(stall, tm
     assert dropped > 0 and incomplete > 0 and complete + incomplete == len(workload)
     reliability(f"Redis {stall} (3 s), policy incomplete", "simulator, 24 requests",
                 "run completes; no store call waits over 0.3 s (a step makes two); read-back "
-                "exact or a typed error", f"{dropped} batches dropped; {complete} requests exact, {incomplete} "
+                "exact or a typed error",
+                f"{dropped} batches dropped; {complete} requests exact, {incomplete} "
                 f"incomplete (typed), 0 wrong; slowest step {max(report.step_seconds):.2f} s")
     server.stop()
