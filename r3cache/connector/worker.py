@@ -234,15 +234,40 @@ class WorkerConnector:
         table.free(slots)
 
     def _manifest(self, slot: int) -> Manifest:
-        completion = self._table.completion[slot]
+        """The request's rows by reference: keyed whole blocks in one slice of its keys,
+        only the partial blocks at either end looked up one by one."""
+        table = self._table
+        bs = self.layout.block_size
+        completion = table.completion[slot]
+        lo, hi = completion.prompt_start, completion.num_tokens - 1
         segments: list = []
-        if completion.num_rows:
-            parts = self._sources(slot, completion.prompt_start, completion.num_tokens - 1, {})
-            for source, a, b in parts:
-                # Tail rows are copied: the buffer is reused by the next request in the slot.
-                segments.append(BlockRef(source, a, b) if isinstance(source, str)
-                                else source[a:b].copy())
-        return Manifest(self._table.req_id[slot], self.layout.fingerprint, completion, segments)
+        if lo < hi:
+            head, keys, tail = self._spans(slot, lo, hi, {}, hi // bs)
+            segments = [*map(self._segment, head), *(BlockRef(k, 0, bs) for k in keys),
+                        *map(self._segment, tail)]
+        return Manifest(table.req_id[slot], self.layout.fingerprint, completion, segments)
+
+    def _spans(self, slot: int, lo: int, hi: int, own, keyed_until: int,
+               req_id: str | None = None) -> tuple[list, list[str], list]:
+        """Rows ``[lo, hi)`` as (head parts, keys of whole stored blocks, tail parts).
+
+        Whole blocks before ``keyed_until`` that have keys come as one slice of the
+        request's keys; only the partial or unkeyed blocks at either end are looked
+        up one by one (``_sources``).
+        """
+        bs = self.layout.block_size
+        first = min(-(-lo // bs), hi // bs)
+        last = max(min(keyed_until, hi // bs, int(self._table.nkeys[slot])), first)
+        head = self._sources(slot, lo, first * bs, own, req_id) if lo < first * bs else []
+        tail = (self._sources(slot, max(last * bs, lo), hi, own, req_id)
+                if max(last * bs, lo) < hi else [])
+        return head, self._table.keys[slot][first:last], tail
+
+    @staticmethod
+    def _segment(part: tuple) -> BlockRef | np.ndarray:
+        source, a, b = part
+        # Rows are copied: the tail buffer is reused by the next request in the slot.
+        return BlockRef(source, a, b) if isinstance(source, str) else source[a:b].copy()
 
     # -- model runner output ------------------------------------------------------
 
@@ -448,23 +473,38 @@ class WorkerConnector:
         producer completed earlier in the same batch.
         """
         bs = self.layout.block_size
+        table = self._table
         plans = []
         store_keys: list[str] = []
-        for i in later.tolist():
-            parts = []
-            for source, a, b in self._sources(int(pending.slots[i]), int(emit[i]), int(end[i]),
-                                              own, pending.req_ids[i]):
+
+        def locate(parts):
+            # Store-backed parts become (index of the block in the one store read, a, b).
+            located = []
+            for source, a, b in parts:
                 if isinstance(source, str):
                     store_keys.append(source)
                     source = len(store_keys) - 1
-                parts.append((source, a, b))
-            plans.append((i, int(emit[i]), parts))
+                located.append((source, a, b))
+            return located
+
+        for i in later.tolist():
+            slot = int(pending.slots[i])
+            # Whole blocks before this incarnation's capture exist only in the store.
+            head, keys, tail = self._spans(slot, int(emit[i]), int(end[i]), own,
+                                           int(table.owned_from[slot]) // bs,
+                                           pending.req_ids[i])
+            head = locate(head)
+            prefix = (len(store_keys), len(keys))
+            store_keys.extend(keys)
+            plans.append((i, int(emit[i]), head, prefix, locate(tail)))
         stored = self._read_store(store_keys, pending, plans)
-        for i, lo, parts in plans:
-            pieces = [
-                (stored[p * bs : (p + 1) * bs] if isinstance(p, int) else p)[a:b]
-                for p, a, b in parts
-            ]
+
+        def rows(parts):
+            return [(stored[p * bs : (p + 1) * bs] if isinstance(p, int) else p)[a:b]
+                    for p, a, b in parts]
+
+        for i, lo, head, (at, count), tail in plans:
+            pieces = [*rows(head), stored[at * bs : (at + count) * bs], *rows(tail)]
             outputs[pending.req_ids[i]] = RequestOutput(lo, np.concatenate(pieces))
 
     def _sources(self, slot: int, lo: int, hi: int, own, req_id: str | None = None
@@ -508,7 +548,7 @@ class WorkerConnector:
             raise BlockNotFoundError(
                 exc.keys,
                 namespace=exc.namespace,
-                request_ids=[pending.req_ids[i] for i, _, _ in plans],
+                request_ids=[pending.req_ids[plan[0]] for plan in plans],
                 cause="a prefix-cache hit on a block the store no longer holds "
                 "(evicted after its last release, or never published)",
             ) from exc
