@@ -7,7 +7,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from r3cache.errors import LayoutMismatchError, StoreFullError
+from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreFullError
 from r3cache.manifest import Manifest
 from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore, StoreStats
@@ -53,6 +53,10 @@ class TieredBlockStore:
             self.local.put({}, retain_keys, release_keys)
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
+        try:
+            return self.local.get_concatenated(keys)  # the common case: all local
+        except BlockNotFoundError:
+            pass
         bs = self.layout.block_size
         out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
         self.read_into(keys, [out[n * bs : (n + 1) * bs] for n in range(len(keys))])
