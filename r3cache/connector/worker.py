@@ -13,6 +13,7 @@ from r3cache.connector.metadata import RequestOutput, StepBatch, StepMetadata, b
 from r3cache.connector.requests import NO_CURSOR, RequestTable
 from r3cache.errors import (
     BlockNotFoundError,
+    ContractError,
     CursorError,
     GenerationError,
     InvalidBatchError,
@@ -105,8 +106,13 @@ class WorkerConnector:
             )
         if max_concurrent_batches < 1:
             raise InvalidBatchError("max_concurrent_batches must be >= 1")
+        if writer not in ("thread", "process"):
+            raise ContractError(f"writer must be 'thread' or 'process', not {writer!r}")
+        if writer == "process" and on_unavailable != "raise":
+            # Said here rather than ignored: the helper process only knows "raise".
+            raise ContractError("writer='process' supports on_unavailable='raise' only")
         self.layout = layout
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens  # sizes a bound capturer
         self.max_concurrent_batches = max_concurrent_batches
         if isinstance(store, (BackgroundBlockStore, TieredBlockStore)):
             pass  # already off the inference thread
@@ -149,9 +155,14 @@ class WorkerConnector:
             raise GenerationError(
                 f"generation moved backwards from {self._generation} to {metadata.generation}"
             )
-        both = metadata.requests.keys() & set(metadata.finished_requests)
+        finished = set(metadata.finished_requests)
+        both = metadata.requests.keys() & finished
         if both:
             raise MetadataError(f"requests cannot run and finish in one step: {sorted(both)}")
+        unfinished = metadata.completions.keys() - finished
+        if unfinished:
+            raise MetadataError(f"completions for requests that did not finish: "
+                                f"{sorted(unfinished)}")
         table = self._table
         with self._lock:
             release: list[str] = []
@@ -177,10 +188,6 @@ class WorkerConnector:
                 table.nkeys[slot] += len(keys)
                 retain.extend(keys)
                 self._collect_keyed(slot, objects)
-            unfinished = metadata.completions.keys() - set(metadata.finished_requests)
-            if unfinished:
-                raise MetadataError(f"completions for requests that did not finish: "
-                                    f"{sorted(unfinished)}")
             teardown: list[int] = []
             for req_id in metadata.finished_requests:
                 slot = table.lookup(req_id)

@@ -173,9 +173,9 @@ class MemoryBlockStore:
             self._idle_bytes = self._used = 0
 
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
-        for target, rows in zip(targets, np.split(self.get_concatenated(keys), len(keys))
-                                if keys else ()):
-            target[...] = rows
+        missing = self.read_present(keys, targets)
+        if missing:
+            raise BlockNotFoundError([keys[i] for i in missing], namespace=self.namespace)
 
     def refcount(self, key: str) -> int:
         with self._lock:
