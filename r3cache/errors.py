@@ -52,6 +52,14 @@ class MetadataError(ContractError):
     """Step metadata is inconsistent (unknown request, run-and-finish in one step)."""
 
 
+class CaptureError(ContractError):
+    """A router hook, capturer or model binding was used outside its contract."""
+
+
+class ReplayError(ContractError):
+    """Recorded routes do not fit the model or forward they are replayed into."""
+
+
 class StoreError(R3Error):
     """A block store failed to store or return blocks."""
 

@@ -41,31 +41,47 @@ class WorkerStats:
 
 
 class PendingOutput:
-    """Own one step's routed-experts snapshot until its copy is consumed."""
+    """Own one step's routed-experts rows until the step is processed.
+
+    Rows come either as an array the caller passed, or as a device snapshot of the bound
+    capturer that ``enqueue_cpu_copy`` sends to pinned host memory on a copy stream;
+    ``process_output`` then waits on that copy's event and nothing else.
+    """
 
     __slots__ = (
         "connector", "req_ids", "slots", "token_starts", "query_start_loc",
-        "routed_experts", "num_sampled", "num_rejected",
+        "routed_experts", "snapshot", "host_copy", "num_sampled", "num_rejected",
     )
 
-    def __init__(self, connector, req_ids, slots, token_starts, query_start_loc, routed_experts):
+    def __init__(self, connector, req_ids, slots, token_starts, query_start_loc, routed_experts,
+                 snapshot=None):
         self.connector: WorkerConnector = connector
         self.req_ids: list[str] = req_ids
         self.slots: np.ndarray = slots
         self.token_starts: np.ndarray = token_starts
         self.query_start_loc: np.ndarray = query_start_loc
-        self.routed_experts: np.ndarray = routed_experts
+        self.routed_experts: np.ndarray | None = routed_experts
+        self.snapshot: Any = snapshot  # device tensor until its host copy is enqueued
+        self.host_copy: Any = None
         self.num_sampled: np.ndarray | None = None
         self.num_rejected: np.ndarray | None = None
 
     def enqueue_cpu_copy(self, num_sampled: Any, num_rejected: Any) -> None:
-        """Hand over the step's sampled and rejected token counts, one per request."""
+        """Hand over the step's sampled and rejected token counts, one per request, and
+        start the asynchronous host copy of a capturer snapshot."""
         n = len(self.req_ids)
         self.num_sampled = _counts(num_sampled, n, "num_sampled")
         self.num_rejected = _counts(num_rejected, n, "num_rejected")
+        if self.snapshot is not None:
+            self.host_copy = self.connector._host_ring.copy(self.snapshot)
+            self.snapshot = None
 
     def process_output(self) -> dict[str, RequestOutput]:
         return self.connector.process_output(self)
+
+    def _await_copy(self) -> None:
+        if self.routed_experts is None:
+            self.routed_experts = self.host_copy.result()
 
 
 def _counts(values: Any, n: int, name: str) -> np.ndarray:
@@ -99,6 +115,7 @@ class WorkerConnector:
         writer: str = "thread",
         store_wait: float = 10.0,
         on_unavailable: str = "raise",
+        capturer: Any = None,
     ) -> None:
         if store.layout != layout:
             raise LayoutMismatchError(
@@ -111,8 +128,22 @@ class WorkerConnector:
         if writer == "process" and on_unavailable != "raise":
             # Said here rather than ignored: the helper process only knows "raise".
             raise ContractError("writer='process' supports on_unavailable='raise' only")
+        if capturer is not None and capturer.layout != layout:
+            raise LayoutMismatchError(
+                f"capturer layout {capturer.layout.fingerprint} != connector layout "
+                f"{layout.fingerprint}"
+            )
+        if capturer is not None and capturer.max_num_batched_tokens < max_num_batched_tokens:
+            raise ContractError(
+                f"the capturer holds {capturer.max_num_batched_tokens} rows, a step may have "
+                f"{max_num_batched_tokens}"
+            )
         self.layout = layout
-        self.max_num_batched_tokens = max_num_batched_tokens  # sizes a bound capturer
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Steps without explicit rows snapshot this capturer (r3cache.capture); their host
+        # copies go through a ring of max_concurrent_batches pinned buffers.
+        self.capturer = capturer
+        self._host_ring = capturer.host_ring(max_concurrent_batches) if capturer else None
         self.max_concurrent_batches = max_concurrent_batches
         if isinstance(store, (BackgroundBlockStore, TieredBlockStore)):
             pass  # already off the inference thread
@@ -301,10 +332,19 @@ class WorkerConnector:
             )
         if n and (qsl[0] < 0 or (starts < 0).any()):
             raise InvalidBatchError("query_start_loc and num_computed_tokens must be >= 0")
+        snapshot = None
         if routed_experts is None:
-            raise InvalidBatchError("routed_experts is required: no capturer is bound")
-        self.layout.check_rows(routed_experts, "routed_experts")
-        if n and len(routed_experts) < qsl[-1]:
+            if self.capturer is None:
+                raise InvalidBatchError("routed_experts is required: no capturer is bound")
+            if qsl[-1] > self.max_num_batched_tokens:
+                raise InvalidBatchError(
+                    f"the batch covers {int(qsl[-1])} rows, max_num_batched_tokens is "
+                    f"{self.max_num_batched_tokens}"
+                )
+            snapshot = self.capturer.snapshot(int(qsl[-1]))
+        else:
+            self.layout.check_rows(routed_experts, "routed_experts")
+        if routed_experts is not None and n and len(routed_experts) < qsl[-1]:
             raise InvalidBatchError(
                 f"routed_experts has {len(routed_experts)} rows, the batch covers {int(qsl[-1])}"
             )
@@ -322,7 +362,7 @@ class WorkerConnector:
                 bad = req_ids[int(np.argmax(self._table.finished[slots]))]
                 raise MetadataError(f"request {bad!r} finished and cannot run again")
             self._table.inflight[slots] += 1
-            pending = PendingOutput(self, req_ids, slots, starts, qsl, routed_experts)
+            pending = PendingOutput(self, req_ids, slots, starts, qsl, routed_experts, snapshot)
             self._inflight.append(pending)
         return pending
 
@@ -333,6 +373,8 @@ class WorkerConnector:
         covers the request; its keys are released tail block first.
         """
         table = self._table
+        if pending.host_copy is not None:
+            pending._await_copy()  # waits on this step's copy event, outside the lock
         with self._lock:
             if not self._inflight or self._inflight[0] is not pending:
                 raise InvalidBatchError("step outputs must be processed in the order prepared")
