@@ -138,18 +138,27 @@ class RoutedExpertsCapturer:
         finally:
             self._enabled = previous
 
-    def host_ring(self, depth: int) -> HostCopyRing:
-        return HostCopyRing(self, depth)
+    def host_ring(self, depth: int, *, timing: bool = False) -> HostCopyRing:
+        return HostCopyRing(self, depth, timing=timing)
 
 
 class HostCopy:
     """Own one step's rows in a host buffer until the copy into it is known complete."""
 
-    __slots__ = ("_host", "_event")
+    __slots__ = ("_host", "_event", "_started")
 
-    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None,
+                 started: torch.cuda.Event | None = None) -> None:
         self._host = host
         self._event = event
+        self._started = started
+
+    def copy_ms(self) -> float | None:
+        """Device time of the copy, where the ring was built with ``timing=True``."""
+        if self._started is None:
+            return None
+        self._event.synchronize()
+        return self._started.elapsed_time(self._event)
 
     def result(self) -> np.ndarray:
         """Wait on this copy's event only, then return the rows as a numpy array of their own.
@@ -170,7 +179,8 @@ class HostCopyRing:
     processed. On CPU the copy is synchronous and the results are the same.
     """
 
-    def __init__(self, capturer: RoutedExpertsCapturer, depth: int) -> None:
+    def __init__(self, capturer: RoutedExpertsCapturer, depth: int, *,
+                 timing: bool = False) -> None:
         if depth < 1:
             raise CaptureError("a host copy ring needs depth >= 1")
         device = capturer.device
@@ -179,7 +189,9 @@ class HostCopyRing:
         self._slots = [torch.empty(shape, dtype=dtype, pin_memory=self._cuda)
                        for _ in range(depth)]
         self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self._events = [torch.cuda.Event() if self._cuda else None for _ in range(depth)]
+        self._events = [torch.cuda.Event(enable_timing=timing) if self._cuda else None
+                        for _ in range(depth)]
+        self._timing = timing and self._cuda
         self._device = device
         self._next = 0
 
@@ -195,9 +207,12 @@ class HostCopyRing:
         stream = self._stream
         # The snapshot was taken on the compute stream: the copy stream must see it done.
         stream.wait_stream(torch.cuda.current_stream(self._device))
+        started = torch.cuda.Event(enable_timing=True) if self._timing else None
         with torch.cuda.stream(stream):
+            if started is not None:
+                started.record(stream)
             host.copy_(snapshot, non_blocking=True)
             # The snapshot's memory must not be reused before this stream has read it.
             snapshot.record_stream(stream)
             event.record(stream)
-        return HostCopy(host, event)
+        return HostCopy(host, event, started)

@@ -141,6 +141,6 @@ class ModelRoutes:
         tensor = torch.tensor([list(ids)], device=self._device)
         positions = torch.arange(start, start + len(ids), device=self._device)[None]
         with torch.inference_mode():
-            self.model(input_ids=tensor, position_ids=positions, past_key_values=cache,
+            self.model(input_ids=tensor, position_ids=positions, cache=cache,
                        use_cache=cache is not None)
 

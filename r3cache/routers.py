@@ -159,3 +159,19 @@ def bind(model: nn.Module, capturer: RoutedExpertsCapturer) -> Binding:
     for site in sites:
         bind_router(site.module, site.layer_id, capturer, binding=binding)
     return binding
+
+
+def router_choices(model: nn.Module, *args: Any, **kwargs: Any) -> dict[int, torch.Tensor]:
+    """Run ``model(*args, **kwargs)`` once and return each router's own expert indices by
+    decoder layer, read straight off the router outputs (a reference for any capturer)."""
+    seen: dict[int, torch.Tensor] = {}
+    handles = [site.module.register_forward_hook(
+        lambda _m, _a, out, layer=site.layer_id: seen.__setitem__(layer, out[2].clone()))
+        for site in find_routers(model)]
+    try:
+        with torch.inference_mode():
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen

@@ -310,12 +310,14 @@ class Engine:
             if plan or not metadata.is_empty() or metadata.generation != sent_generation:
                 self.worker.begin_step(metadata)
                 sent_generation = metadata.generation
+            spent = time.perf_counter() - began
             if plan:
-                batch, rows, truth = self._execute(plan)
+                batch, rows, truth = self._execute(plan)  # the model: not connector time
+                began = time.perf_counter()
                 pending = self.worker.prepare_output(batch, routed_experts=rows)
                 pending.enqueue_cpu_copy(truth.sampled, truth.rejected)
                 inflight.append((pending, plan, truth))
-            spent = time.perf_counter() - began
+                spent += time.perf_counter() - began
             if inflight and (len(inflight) >= self.config.async_depth or not plan):
                 pending, done_plan, truth = inflight.popleft()
                 began = time.perf_counter()
