@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,6 +18,24 @@ from r3cache.hashing import DEFAULT_SEED, block_hashes
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import BlockRef, Manifest
 from r3cache.store.base import BlockStore
+
+# Rows fetched per store round in get_many: large enough that a round's fixed cost is
+# small, small enough that validating one group overlaps fetching the next.
+_GROUP_ROWS = 16384
+
+
+def _groups(manifests: list[Manifest], rows: int) -> Iterator[list[Manifest]]:
+    """Consecutive manifests, about ``rows`` rows a group (a longer request is alone)."""
+    group: list[Manifest] = []
+    size = 0
+    for manifest in manifests:
+        if group and size + manifest.completion.num_rows > rows:
+            yield group
+            group, size = [], 0
+        group.append(manifest)
+        size += manifest.completion.num_rows
+    if group:
+        yield group
 
 
 class TokenLookup(NamedTuple):
@@ -50,6 +69,7 @@ class R3Reader:
             self._owns_store = False
         self.layout: RoutingLayout = self.store.layout
         self.namespace = self.store.namespace
+        self._pool: ThreadPoolExecutor | None = None  # validates while the next group travels
 
     # -- numpy ----------------------------------------------------------------------
 
@@ -60,16 +80,36 @@ class R3Reader:
 
     def get_many(self, request_ids: Sequence[str], *, dtype: Any = None,
                  layers: Sequence[int] | slice | None = None) -> list[np.ndarray]:
-        """Routes of many requests: one round for the manifests, one for all their blocks."""
+        """Routes of many requests: one round for the manifests, then their blocks.
+
+        Blocks are fetched and decoded in groups of about ``_GROUP_ROWS`` rows, one round
+        per node each; while the next group travels, a helper thread validates the
+        previous one (numpy releases the GIL), so the checks cost little wall time.
+        The first failure, in request order, is raised; nothing partial is returned.
+        """
         request_ids = list(request_ids)
         manifests = self.store.get_manifests(request_ids)
         missing = [r for r, m in zip(request_ids, manifests) if m is None]
         if missing:
             raise ManifestNotFoundError(missing, namespace=self.namespace)
-        plans = [self._plan(m) for m in manifests]
+        checks = []
+        try:
+            for group in _groups(manifests, _GROUP_ROWS):
+                plans = [self._plan(m) for m in group]
+                self._fetch(group, plans)
+                for manifest, (rows, _, finish) in zip(group, plans):
+                    finish()
+                    checks.append(self._checker().submit(
+                        self._checked, manifest, rows, dtype, layers))
+            return [check.result() for check in checks]
+        finally:
+            for check in checks:
+                check.cancel()
+
+    def _fetch(self, manifests: list[Manifest], plans: list) -> None:
+        """Decode every whole block of ``manifests`` into its place, in one store call."""
         keys = [k for _, targets, _ in plans for k, _ in targets]
         try:
-            # Whole blocks are decoded straight into each request's array, in one round.
             self.store.read_into(keys, [t for _, targets, _ in plans for _, t in targets])
         except BlockNotFoundError as exc:
             lost = set(exc.keys)
@@ -81,12 +121,15 @@ class R3Reader:
             owners = [m.request_id for m in manifests if exc.key in m.block_keys]
             raise CorruptBlockError(exc.key, f"{exc.reason} (in the routes of request(s) "
                                     f"{', '.join(map(repr, owners))})") from exc
-        out = []
-        for manifest, (rows, _, finish) in zip(manifests, plans):
-            finish()
-            self._validate(manifest.request_id, rows, manifest.completion.num_rows)
-            out.append(_select(rows, dtype, layers))
-        return out
+
+    def _checked(self, manifest: Manifest, rows: np.ndarray, dtype: Any, layers) -> np.ndarray:
+        self._validate(manifest.request_id, rows, manifest.completion.num_rows)
+        return _select(rows, dtype, layers)
+
+    def _checker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="r3cache-reader")
+        return self._pool
 
     def _plan(self, manifest: Manifest):
         """(rows, [(key, target)] for the store to fill, finish() for the rest).
@@ -126,7 +169,9 @@ class R3Reader:
                                     f"{(num_rows, *self.layout.row_shape)}")
         if not len(rows):
             return
-        if int(rows.max()) >= self.layout.num_experts or int(rows.min()) < 0:
+        # Storage dtypes other than int32 are unsigned: no ID can be negative.
+        signed = rows.dtype.kind == "i"
+        if int(rows.max()) >= self.layout.num_experts or (signed and int(rows.min()) < 0):
             raise CorruptBlockError(where, f"expert IDs outside 0..{self.layout.num_experts - 1}")
         if _repeats_an_expert(rows):
             raise CorruptBlockError(where, "a row names the same expert twice")
@@ -174,6 +219,9 @@ class R3Reader:
         return TokenLookup(_select(rows, dtype, layers), len(rows), len(keys))
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self._owns_store:
             self.store.close()
 

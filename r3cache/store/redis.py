@@ -42,7 +42,7 @@ DEFAULT_LEASE_TTL = 30.0
 DEFAULT_MANIFEST_TTL = 7 * 86_400.0
 _OWN_ROWS_LIMIT = 4096
 _WRITE_CHUNK = 64  # keys per write group: small, so encoding overlaps the server's work
-_READ_CHUNK = 64
+_READ_CHUNK = 256
 
 
 def _pairs(reply) -> dict:
