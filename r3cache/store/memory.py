@@ -49,7 +49,10 @@ class MemoryBlockStore:
         retain_keys: Collection[str] = (),
         release_keys: Sequence[str] = (),
         manifests: Sequence[Manifest] = (),
-    ) -> None:
+    ) -> tuple[list[str], list[str]]:
+        """Store blocks, then pin, then unpin; returns the keys this call pinned from no
+        pin and the keys whose last pin it dropped, in call order (a tier in front of a
+        durable store forwards only those)."""
         for key, rows in objects.items():
             self.layout.check_block(rows, f"block {key!r}")
         with self._lock:
@@ -57,8 +60,7 @@ class MemoryBlockStore:
             new = {k: v for k, v in objects.items() if k not in self._blocks}
             pinned = [*retain_keys, *(k for m in manifests for k in m.block_keys)]
             self._reserve(sum(v.nbytes for v in new.values()), pinned)
-            for key in retain_keys:
-                self._retain(key)
+            first = [key for key in retain_keys if self._retain(key)]
             for key, rows in objects.items():
                 if key in new:
                     self._insert(key, rows)
@@ -71,8 +73,8 @@ class MemoryBlockStore:
                 self._manifests[manifest.request_id] = manifest
                 for key in manifest.block_keys:
                     self._retain(key)
-            for key in release_keys:
-                self._release(key)
+            last = [key for key in release_keys if self._release(key)]
+        return first, last
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         with self._lock:
@@ -122,20 +124,25 @@ class MemoryBlockStore:
         if not self._refs.get(key):
             self._make_idle(key)
 
-    def _retain(self, key: str) -> None:
-        self._refs[key] = self._refs.get(key, 0) + 1
+    def _retain(self, key: str) -> bool:
+        """Pin ``key``; whether it had no pin before."""
+        count = self._refs.get(key, 0)
+        self._refs[key] = count + 1
         if self._idle.pop(key, 0) is None:
             self._idle_bytes -= self._blocks[key].nbytes
+        return count == 0
 
-    def _release(self, key: str) -> None:
+    def _release(self, key: str) -> bool:
+        """Unpin ``key``; whether it now has no pin (also when it had none)."""
         count = self._refs.get(key, 0)
         if count > 1:
             self._refs[key] = count - 1
-            return
+            return False
         # Counts never go negative: releasing an unheld key changes nothing.
         self._refs.pop(key, None)
         if count == 1 and key in self._blocks:
             self._make_idle(key)
+        return True
 
     def _make_idle(self, key: str) -> None:
         self._idle[key] = None

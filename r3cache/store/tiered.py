@@ -19,7 +19,8 @@ class TieredBlockStore:
     """Own a local MemoryBlockStore and the background-written durable store behind it.
 
     Writes land in the local tier at once (read-your-writes without waiting for the
-    writer) and go to the durable store through the writer thread. Reads are served
+    writer) and go to the durable store through the writer thread. Pins are counted
+    locally; the durable store sees one hold per key while the local count is non-zero. Reads are served
     from the local tier; only blocks it lacks (evicted locally, written by another
     replica, or from before a restart) go to the durable store, after the writer
     queue has drained, in one batched read, and are then kept locally.
@@ -45,12 +46,15 @@ class TieredBlockStore:
         release_keys: Sequence[str] = (),
         manifests: Sequence[Manifest] = (),
     ) -> None:
-        self.remote.put(objects, retain_keys, release_keys, manifests)
         try:
-            self.local.put(objects, retain_keys, release_keys)
+            first, last = self.local.put(objects, retain_keys, release_keys)
         except StoreFullError:
             # The local tier is a cache: pins still count, the bytes stay remote only.
-            self.local.put({}, retain_keys, release_keys)
+            first, last = self.local.put({}, retain_keys, release_keys)
+        # The local tier counts every pin; the durable store holds a key for this owner
+        # while that count is above zero. Only crossings of zero travel: a prompt shared
+        # by eight requests is one hold in Redis, not eight (and one release).
+        self.remote.put(objects, first, last, manifests)
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         try:
