@@ -14,7 +14,12 @@ of Redis; writes by a thread, and by a helper process: "/proc"), printing each
 store's ratio to the embedded store. --store URL adds any other store.
 Layout: L=48, K=8, 128 experts (uint8), block size 16.
 
-    python scripts/bench_step.py [--steps 400] [--redis] [--store URL]
+By default steps run back to back: the connector, the writer and every redis-server
+compete for the cores all the time, which no engine does (each step waits on the GPU
+for its forward). --gpu-ms N sleeps N ms per step where the forward would run, not
+counted in the step's host time, so background writes get the idle CPU they would get.
+
+    python scripts/bench_step.py [--steps 400] [--redis] [--store URL] [--gpu-ms 5]
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Driver:
 
     url = "memory://"
     writer = "thread"
+    gpu_ms = 0.0
 
     def __init__(self, max_num_seqs: int, max_tokens: int) -> None:
         store = open_store(Driver.url, layout=LAYOUT, namespace=f"bench-step-{_RUN[0]}")
@@ -58,12 +64,16 @@ class Driver:
         rejected = np.zeros(len(req_ids), np.int64) if rejected is None else rejected
         began = time.perf_counter()
         self.worker.begin_step(metadata)
+        spent = time.perf_counter() - began
+        if Driver.gpu_ms:
+            time.sleep(Driver.gpu_ms / 1e3)  # the forward: the host waits on the GPU
+        began = time.perf_counter()
         pending = self.worker.prepare_output(StepBatch(req_ids, starts, qsl),
                                              routed_experts=self.rows)
         pending.enqueue_cpu_copy(sampled, rejected)
         outputs = self.worker.process_output(pending)
         if measure:
-            self.times.append(time.perf_counter() - began)
+            self.times.append(spent + time.perf_counter() - began)
         return outputs
 
     def close(self) -> None:
@@ -172,10 +182,15 @@ def main() -> None:
     parser.add_argument("--redis", action="store_true",
                         help="also run against a redis-server and a 6-node cluster")
     parser.add_argument("--store", action="append", default=[], help="another store URL")
+    parser.add_argument("--gpu-ms", type=float, default=0.0,
+                        help="model time per step, slept between begin_step and "
+                             "prepare_output and not counted (default 0: back to back)")
     args = parser.parse_args()
+    Driver.gpu_ms = args.gpu_ms
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
           f"{platform.python_implementation()} {platform.python_version()}, numpy "
-          f"{np.__version__}, layout {LAYOUT.fingerprint}")
+          f"{np.__version__}, layout {LAYOUT.fingerprint}, model time per step "
+          f"{args.gpu_ms:g} ms")
     print(f"{'store':12s} {'case':32s} {'median ms':>10s} {'p90 ms':>8s} {'vs mem':>8s} "
           f"{'steps':>6s}")
     baseline: dict = {}

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Collection, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -20,6 +21,8 @@ from r3cache.manifest import Manifest
 from r3cache.store.base import StoreStats
 
 _POLL = 0.5  # seconds between the helper's checks that the engine process still lives
+_NICE = 10  # the helper's niceness above the engine's
+_CHECK_EVERY = 0.005  # seconds between put()'s looks at the helper's replies and liveness
 
 
 def _serve(connection: Connection) -> None:
@@ -27,6 +30,9 @@ def _serve(connection: Connection) -> None:
     from r3cache.store.redis_connect import open_redis_store
 
     _, url, fingerprint, namespace, options, parent = connection.recv()
+    # Below the engine's priority: when both want a core, inference goes first and
+    # writes wait (the bounded queue says when they waited too long).
+    os.nice(_NICE)
     try:
         store = open_redis_store(url, layout=RoutingLayout.from_fingerprint(fingerprint),
                                  namespace=namespace, **options)
@@ -90,6 +96,7 @@ class ProcessWriter:
         self._error: str | None = None
         self._closed = False
         self._flushes = 0
+        self._next_check = 0.0
         reply = self._reply(timeout=60.0)
         if reply[0] != "ready":
             self._process.wait(10)
@@ -202,6 +209,12 @@ class ProcessWriter:
     def _check(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store {self.namespace!r} is closed")
+        if self._error:
+            raise WriterError(self._error)
+        now = time.monotonic()
+        if now < self._next_check:
+            return  # the helper's replies and liveness cost two syscalls: not every put
+        self._next_check = now + _CHECK_EVERY
         while self._connection.poll(0):
             self._reply(timeout=0)
         if self._error:

@@ -273,8 +273,11 @@ class RedisBlockStore:
                 before += (block_keys[i], refs, op.retain, 0, 0)
             if op.rows is not None:
                 op.data = self._codec.encode(op.rows)
-                writes.append(("SET", block_keys[i], op.data, "NX", "GET", "PX", self._idle_ms))
-            if op.rows is not None or op.release:
+                # A block this round pins is written without a TTL and needs no settling
+                # afterwards (the hold before it already exists); others get the idle TTL.
+                ttl = () if op.retain else ("PX", self._idle_ms)
+                writes.append(("SET", block_keys[i], op.data, "NX", "GET", *ttl))
+            if op.release or (op.rows is not None and not op.retain):
                 after += (block_keys[i], refs, 0, op.release, op.rank)
         commands = [HOLDS_SCRIPT.command(*head, *before)] if before else []
         commands += writes

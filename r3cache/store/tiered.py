@@ -20,10 +20,10 @@ class TieredBlockStore:
 
     Writes land in the local tier at once (read-your-writes without waiting for the
     writer) and go to the durable store through the writer thread. Pins are counted
-    locally; the durable store sees one hold per key while the local count is non-zero. Reads are served
-    from the local tier; only blocks it lacks (evicted locally, written by another
-    replica, or from before a restart) go to the durable store, after the writer
-    queue has drained, in one batched read, and are then kept locally.
+    locally; the durable store sees one hold per key while the local count is non-zero.
+    Reads are served from the local tier; only blocks it lacks (evicted locally, written
+    by another replica, or from before a restart) go to the durable store, after the
+    writer queue has drained, in one batched read, and are then kept locally.
     """
 
     def __init__(self, local: MemoryBlockStore, remote: BlockStore,
