@@ -5,8 +5,9 @@ Starts its own redis-server and 6-node cluster, records --requests requests of
 --per-call requests at a time through get_many (manifests, blocks, decoding,
 checksums and validation included) and, in the same run, fetches the same stored
 bytes with a raw redis-py MGET (mget_nonatomic on the cluster) without decoding.
+Both block codecs a namespace can choose are measured: lz4 (the default) and raw.
 
-    python scripts/bench_read.py [--requests 256 --tokens 8192]
+    python scripts/bench_read.py [--requests 256 --tokens 8192] [--codec lz4|raw]
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from r3cache.testing import RedisClusterProcesses, RedisServer
 LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
 
 
-def record(url: str, namespace: str, requests: int, tokens: int) -> list[str]:
+def record(url: str, namespace: str, requests: int, tokens: int, codec: str) -> list[str]:
     """Store each request's full blocks and a manifest naming them, as the worker does."""
     rng = np.random.default_rng(0)
-    store = open_store(url, layout=LAYOUT, namespace=namespace, idle_ttl=3600)
+    store = open_store(url, layout=LAYOUT, namespace=namespace, idle_ttl=3600, codec=codec)
     ids = []
     bs = LAYOUT.block_size
     for r in range(requests):
@@ -47,8 +48,13 @@ def record(url: str, namespace: str, requests: int, tokens: int) -> list[str]:
 
 
 def bench(label: str, url: str, raw, args) -> list[str]:
-    namespace = f"bench-read-{label}"
-    ids = record(url, namespace, args.requests, args.tokens)
+    return [line for codec in args.codec for line in
+            bench_codec(f"{label} {codec}", url, raw, args, codec)]
+
+
+def bench_codec(label: str, url: str, raw, args, codec: str) -> list[str]:
+    namespace = f"bench-read-{label.replace(' ', '-')}"
+    ids = record(url, namespace, args.requests, args.tokens, codec)
     calls = [ids[at : at + args.per_call] for at in range(0, len(ids), args.per_call)]
     with R3Reader(url, namespace=namespace) as reader:
         reader.get_many(calls[0])  # warm the connection pool
@@ -66,9 +72,9 @@ def bench(label: str, url: str, raw, args) -> list[str]:
     theirs = time.perf_counter() - began
     raw_bytes = rows * LAYOUT.row_nbytes
     return [
-        f"{label + ': R3Reader.get_many':36s} {rows / ours:14,.0f} {raw_bytes / ours / 1e6:9.1f} "
+        f"{label + ': R3Reader.get_many':40s} {rows / ours:14,.0f} {raw_bytes / ours / 1e6:9.1f} "
         f"{(rows / ours) / (rows / theirs):8.2f}",
-        f"{label + ': raw MGET of the blocks':36s} {rows / theirs:14,.0f} "
+        f"{label + ': raw MGET of the blocks':40s} {rows / theirs:14,.0f} "
         f"{stored / theirs / 1e6:9.1f} {1:8.2f}",
     ]
 
@@ -78,12 +84,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--per-call", type=int, default=8, help="requests per get_many")
+    parser.add_argument("--codec", action="append", choices=("lz4", "raw"),
+                        help="the namespace's block codec (repeatable; default: both)")
     args = parser.parse_args()
+    args.codec = args.codec or ["lz4", "raw"]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}, redis-py {redis.__version__}; {args.requests} "
           f"requests x {args.tokens} tokens, layout {LAYOUT.fingerprint}, "
           f"{args.per_call} requests per get_many")
-    print(f"{'case':36s} {'tokens/s':>14s} {'MB/s':>9s} {'vs raw':>8s}")
+    print(f"{'case':40s} {'tokens/s':>14s} {'MB/s':>9s} {'vs raw':>8s}")
     with RedisServer() as server:
         print("\n".join(bench("standalone", server.url, server.client(), args)))
     with RedisClusterProcesses() as cluster:

@@ -39,16 +39,13 @@ def test_incompressible_rows_are_stored_raw():
     np.testing.assert_array_equal(decode_rows(data, LAYOUT, "k"), rows)
 
 
-def test_lz4_is_kept_only_where_it_saves_an_eighth():
-    """Oracle routes (distinct experts per row) shrink under 10 %: stored raw; routes with
-    long runs of the same choice shrink by far more: lz4."""
-    assert read_header(encode_rows(block(), LAYOUT), "k").codec == CODEC_RAW
-    rows = block()
-    rows[::2] = rows[1::2]  # every other token repeats its neighbour's routes
-    data = encode_rows(rows, LAYOUT)
-    assert read_header(data, "k").codec == CODEC_LZ4
-    assert len(data) < rows.nbytes * 7 // 8
-    np.testing.assert_array_equal(decode_rows(data, LAYOUT, "k"), rows)
+def test_near_random_routes_still_fit_the_smaller_allocator_class():
+    """Oracle routes (distinct experts per row, no structure) shrink a little under lz4 at
+    acceleration 2: header and payload stay within 6 KiB, a raw block would not."""
+    sizes = [len(encode_rows(block(seed), LAYOUT)) for seed in range(64)]
+    assert all(read_header(encode_rows(block(s), LAYOUT), "k").codec == CODEC_LZ4
+               for s in range(4))
+    assert LAYOUT.block_nbytes == 6144 and max(sizes) <= 6144 - 16  # room for Redis's SDS
 
 
 def test_partial_blocks_and_wide_dtypes_round_trip():
@@ -62,19 +59,12 @@ def test_encode_rejects_rows_of_another_layout():
         encode_rows(np.zeros((16, 48, 8), np.int64), LAYOUT)
 
 
-def compressible() -> np.ndarray:
-    rows = block()
-    rows[:] = rows[0]
-    return rows
-
-
 @pytest.mark.parametrize(
     ("rows", "mangle", "reason"),
     [
         (block, lambda d: b"", "truncated"),
         (block, lambda d: d[:10], "truncated"),
-        (compressible, lambda d: d[:-5], "does not decode"),
-        (block, lambda d: d[:-5], "header says"),
+        (block, lambda d: d[:-5], "does not decode"),
         (block, lambda d: b"hello world, this is not a block", "foreign value"),
         (block, lambda d: d[:4] + bytes([9]) + d[5:], "unsupported format version"),
         (block, lambda d: d[:5] + bytes([7]) + d[6:], "unknown codec"),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import redis
 
-from r3cache import RoutingLayout, open_store
+from r3cache import R3Reader, RoutingLayout, open_store
 from r3cache.errors import (
     ContractError,
     CorruptBlockError,
@@ -352,3 +352,28 @@ def test_the_namespace_records_the_engines_hash_algorithm(redis_url, namespace):
         open_store(redis_url, layout=LAYOUT, namespace=namespace)  # sha256 by default
     with pytest.raises(ContractError, match="unknown block hash algorithm"):
         open_store(redis_url, layout=LAYOUT, namespace=namespace + "x", hash_algo="md5")
+
+
+def test_a_namespace_may_store_its_blocks_raw(url, namespace):
+    from r3cache.codec import CODEC_LZ4, CODEC_RAW, read_header
+
+    rows = np.zeros((4, 3, 2), np.uint8)
+    rows[:, :, 1] = 1  # repetitive: lz4 would shrink it
+    raw = open_store(f"{url}{'&' if '?' in url else '?'}codec=raw", layout=LAYOUT,
+                     namespace=namespace)
+    raw.put({"k": rows})
+    key = raw.keys.block("k")
+    assert read_header(raw.client_for(key).get(key), "k").codec == CODEC_RAW
+    assert raw.client_for(raw.keys.meta).hget(raw.keys.meta, "codec") == b"raw"
+    raw.close()
+    with pytest.raises(LayoutMismatchError, match="codec"):
+        open_store(url, layout=LAYOUT, namespace=namespace)  # lz4 by default
+    with R3Reader(url, namespace=namespace) as reader:  # a reader decodes either
+        np.testing.assert_array_equal(reader.store.get_concatenated(["k"]), rows)
+    packed = open_store(url, layout=LAYOUT, namespace=namespace + "-lz4")
+    packed.put({"k": rows})
+    key = packed.keys.block("k")
+    assert read_header(packed.client_for(key).get(key), "k").codec == CODEC_LZ4
+    packed.close()
+    with pytest.raises(ContractError, match="codec must be"):
+        open_store(url, layout=LAYOUT, namespace=namespace + "-x", codec="zstd")

@@ -69,6 +69,7 @@ class RedisOptions:
     hash_algo: str = "sha256"  # how the engine hashes KV blocks (vLLM's prefix-caching algo)
     wait_replicas: int = 0  # durability: a write is acknowledged once this many replicas have it
     wait_timeout: float = 2.0
+    codec: str = "lz4"  # a namespace's block encoding: "lz4" (memory) or "raw" (read speed)
 
 
 class _KeyOps:
@@ -98,7 +99,9 @@ class RedisBlockStore:
         self.layout = layout
         self.namespace = namespace
         self.keys = KeySchema(namespace)
-        self._codec = codec.codec_for(layout)
+        if options.codec not in codec.CODECS:
+            raise ContractError(f"codec must be one of {codec.CODECS}, not {options.codec!r}")
+        self._codec = codec.codec_for(layout, options.codec)
         self.owner = check_name(options.owner or default_owner(), "owner")
         self.options = options
         self.hash_algo = hasher_name(options.hash_algo)
@@ -439,7 +442,7 @@ class RedisBlockStore:
             "num_experts": self.layout.num_experts,
             "block_size": self.layout.block_size,
             "dtype": str(self.layout.dtype),
-            "codec": "lz4",
+            "codec": self.options.codec,
             "format_version": codec.FORMAT_VERSION,
             "hash_algo": self.hash_algo,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -450,7 +453,10 @@ class RedisBlockStore:
         if self.options.lease:  # read-only handles (trainers) write nothing
             self.client_for(NAMESPACES_KEY).sadd(NAMESPACES_KEY, self.namespace)
         stored = {k.decode(): v.decode() for k, v in zip(reply[::2], reply[1::2])}
-        for name in ("fingerprint", "codec", "format_version", "hash_algo"):
+        # A read-only handle writes no block: it decodes whatever each header says.
+        checked = ("fingerprint", "codec", "format_version", "hash_algo") if self.options.lease \
+            else ("fingerprint", "format_version", "hash_algo")
+        for name in checked:
             if stored.get(name) != str(fields[name]):
                 raise LayoutMismatchError(
                     f"namespace {self.namespace!r} holds {name} {stored.get(name)!r}, this "

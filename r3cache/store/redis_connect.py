@@ -27,7 +27,7 @@ def _flag(value: Any) -> bool:
 # Options r3cache reads itself; everything else goes to the redis-py client.
 _STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "idle_ttl": float, "lease_ttl": float, "manifest_ttl": float, "owner": str, "retries": int,
-    "hash_algo": str, "wait_replicas": int, "wait_timeout": float,
+    "hash_algo": str, "wait_replicas": int, "wait_timeout": float, "codec": str,
     "janitor": _flag, "lease": _flag,
 }
 _CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {
