@@ -56,22 +56,27 @@ class ClusterNodes:
 
     def __init__(self, cluster: RedisCluster) -> None:
         self.client = cluster
+        # Slot -> primary, read once from the client's slot map and again after refresh():
+        # a per-key lookup through redis-py costs a lock and a wrapper call per key.
+        self._primaries: list | None = None
 
     def partition(self, keys: Sequence[bytes], chunk: int = CHUNK
                   ) -> dict[redis.Redis, list[list[int]]]:
         """Group key indices per primary, in chunks."""
-        manager = self.client.nodes_manager
-        groups: dict[str, list[int]] = defaultdict(list)
-        nodes = {}
+        primaries = self._primaries or self._slot_map()
+        groups: dict[Any, list[int]] = defaultdict(list)
         for index, key in enumerate(keys):
-            node = manager.get_node_from_slot(key_slot(key))
-            nodes[node.name] = node
-            groups[node.name].append(index)
-        return {self.client.get_redis_connection(nodes[name]): _chunks(indices, chunk)
-                for name, indices in groups.items()}
+            groups[primaries[key_slot(key)]].append(index)
+        return {self.client.get_redis_connection(node): _chunks(indices, chunk)
+                for node, indices in groups.items()}
+
+    def _slot_map(self) -> list:
+        manager = self.client.nodes_manager
+        self._primaries = [manager.get_node_from_slot(slot) for slot in range(16384)]
+        return self._primaries
 
     def client_for(self, key: bytes) -> redis.Redis:
-        node = self.client.nodes_manager.get_node_from_slot(key_slot(key))
+        node = (self._primaries or self._slot_map())[key_slot(key)]
         return self.client.get_redis_connection(node)
 
     @staticmethod
@@ -84,6 +89,7 @@ class ClusterNodes:
 
     def refresh(self) -> None:
         """Relearn the slot map (after MOVED, a failover or a dead connection)."""
+        self._primaries = None
         self.client.nodes_manager.initialize()
 
     def close(self) -> None:
