@@ -11,7 +11,9 @@ an inference engine makes every step, for:
 against the embedded store and, with --redis, a redis-server and a 6-node cluster
 that the script starts itself (two tiers: the connector's in-process tier in front
 of Redis; writes by a thread, and by a helper process: "/proc"), printing each
-store's ratio to the embedded store. --store URL adds any other store.
+store's ratio to the embedded store. --store URL adds any other store. Each case runs
+on every store in turn, --repeats times; a ratio is the median over repeats of the
+store's median against the memory store's, measured just before it.
 Layout: L=48, K=8, 128 experts (uint8), block size 16.
 
 By default steps run back to back: the connector, the writer and every redis-server
@@ -19,12 +21,14 @@ compete for the cores all the time, which no engine does (each step waits on the
 for its forward). --gpu-ms N sleeps N ms per step where the forward would run, not
 counted in the step's host time, so background writes get the idle CPU they would get.
 
-    python scripts/bench_step.py [--steps 400] [--redis] [--store URL] [--gpu-ms 5]
+    python scripts/bench_step.py [--steps 400] [--repeats 3] [--redis] [--store URL]
+                                 [--gpu-ms 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import platform
@@ -166,14 +170,28 @@ CASES = [
 ]
 
 
-def run_store(label: str, url: str, steps: int, baseline: dict, writer: str = "thread") -> None:
-    Driver.url, Driver.writer = url, writer
-    for name, bench in CASES:
-        times = np.array(bench(steps)) * 1e3
-        median, p90 = np.median(times), np.percentile(times, 90)
-        baseline.setdefault(name, median)
-        print(f"{label:12s} {name:32s} {median:10.3f} {p90:8.3f} "
-              f"{median / baseline[name]:7.2f}x {len(times):6d}")
+def measure(stores: list[tuple[str, str, str]], steps: int, repeats: int) -> None:
+    """Case by case, every store in turn, ``repeats`` times: each store's median is set
+    against the memory store's median of the same case and repeat, measured moments
+    before, so the drift of a shared VM cancels out of the ratios."""
+    runs: dict[tuple[str, str], list[np.ndarray]] = {}
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for _ in range(repeats):
+        for name, bench in CASES:
+            baseline = None
+            for label, url, writer in stores:
+                Driver.url, Driver.writer = url, writer
+                times = np.array(bench(steps)) * 1e3
+                baseline = baseline or float(np.median(times))
+                runs.setdefault((label, name), []).append(times)
+                ratios.setdefault((label, name), []).append(float(np.median(times)) / baseline)
+    for label, _, _ in stores:
+        for name, _ in CASES:
+            medians = [np.median(t) for t in runs[label, name]]
+            pooled = np.concatenate(runs[label, name])
+            print(f"{label:12s} {name:32s} {np.median(medians):10.3f} "
+                  f"{np.percentile(pooled, 90):8.3f} {np.median(ratios[label, name]):7.2f}x "
+                  f"{len(pooled):6d}")
 
 
 def main() -> None:
@@ -182,6 +200,8 @@ def main() -> None:
     parser.add_argument("--redis", action="store_true",
                         help="also run against a redis-server and a 6-node cluster")
     parser.add_argument("--store", action="append", default=[], help="another store URL")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of every case on every store; medians reported")
     parser.add_argument("--gpu-ms", type=float, default=0.0,
                         help="model time per step, slept between begin_step and "
                              "prepare_output and not counted (default 0: back to back)")
@@ -193,19 +213,18 @@ def main() -> None:
           f"{args.gpu_ms:g} ms")
     print(f"{'store':12s} {'case':32s} {'median ms':>10s} {'p90 ms':>8s} {'vs mem':>8s} "
           f"{'steps':>6s}")
-    baseline: dict = {}
-    run_store("memory", "memory://", args.steps, baseline)
-    for url in args.store:
-        run_store(url.split(":")[0], url, args.steps, baseline)
-    if args.redis:
-        from r3cache.testing import RedisClusterProcesses, RedisServer
+    stores = [("memory", "memory://", "thread")]
+    stores += [(url.split(":")[0], url, "thread") for url in args.store]
+    with contextlib.ExitStack() as servers:
+        if args.redis:
+            from r3cache.testing import RedisClusterProcesses, RedisServer
 
-        with RedisServer() as server:
-            run_store("redis", server.url, args.steps, baseline)
-            run_store("redis/proc", server.url, args.steps, baseline, "process")
-        with RedisClusterProcesses() as cluster:
-            run_store("cluster", cluster.url, args.steps, baseline)
-            run_store("cluster/proc", cluster.url, args.steps, baseline, "process")
+            server = servers.enter_context(RedisServer())
+            cluster = servers.enter_context(RedisClusterProcesses())
+            stores += [("redis", server.url, "thread"), ("redis/proc", server.url, "process"),
+                       ("cluster", cluster.url, "thread"),
+                       ("cluster/proc", cluster.url, "process")]
+        measure(stores, args.steps, args.repeats)
 
 
 if __name__ == "__main__":
