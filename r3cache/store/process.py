@@ -23,6 +23,8 @@ from r3cache.store.base import StoreStats
 _POLL = 0.5  # seconds between the helper's checks that the engine process still lives
 _NICE = 10  # the helper's niceness above the engine's
 _CHECK_EVERY = 0.005  # seconds between put()'s looks at the helper's replies and liveness
+_LINGER = 0.001  # seconds the helper waits for more puts to write in the same round
+_GATHER_KEYS = 4096  # ... but no more pins than this in one round
 
 
 def _serve(connection: Connection) -> None:
@@ -41,20 +43,23 @@ def _serve(connection: Connection) -> None:
         return
     connection.send(("ready", store.owner))
     failed = False
+    carried = None  # a message read while gathering puts, handled next
     while True:
         try:
-            if not connection.poll(_POLL):
+            if carried is None and not connection.poll(_POLL):
                 if os.getppid() != parent:
                     return  # the engine died: as after a crash, the lease expires and
                 continue    # the janitor reclaims the holds
-            message = connection.recv()
+            message, carried = carried or connection.recv(), None
+            if message[0] == "put":
+                message, carried = _gather(connection, message)
         except (EOFError, OSError):
             return
         kind = message[0]
         if kind == "put" and not failed:
-            _, keys, stacked, retain, release, manifests = message
+            _, objects, retain, release, manifests = message
             try:
-                store.put(dict(zip(keys, stacked)) if keys else {}, retain, release, manifests)
+                store.put(objects, retain, release, manifests)
             except Exception as exc:  # noqa: BLE001 - sticky, reported once
                 failed = True
                 connection.send(("error", type(exc).__name__, str(exc)))
@@ -64,6 +69,33 @@ def _serve(connection: Connection) -> None:
             store.close()
             connection.send(("closed",))
             return
+
+
+def _gather(connection: Connection, first: tuple) -> tuple[tuple, tuple | None]:
+    """One put made of ``first`` and the puts that follow it within ``_LINGER`` seconds.
+
+    Waiting a moment lets the engine finish its step before this process and Redis take
+    the CPU, and makes larger rounds. Merging keeps every effect: blocks are immutable
+    (first writer wins), each put's pins cross zero in order, so a key retained and
+    released across them ends with the same hold, and manifests still follow all blocks.
+    Returns the merged put and the first non-put message read, if any.
+    """
+    objects: dict = {}
+    retain: list = []
+    release: list = []
+    manifests: list = []
+    message: tuple | None = first
+    deadline = time.monotonic() + _LINGER
+    while message is not None and message[0] == "put" and len(retain) < _GATHER_KEYS:
+        _, keys, stacked, more_retain, more_release, more_manifests = message
+        for key, rows in zip(keys, stacked if keys else ()):
+            objects.setdefault(key, rows)
+        retain += more_retain
+        release += more_release
+        manifests += more_manifests
+        left = deadline - time.monotonic()
+        message = connection.recv() if left > 0 and connection.poll(left) else None
+    return ("put", objects, retain, release, manifests), message
 
 
 class ProcessWriter:
