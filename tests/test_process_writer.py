@@ -53,3 +53,34 @@ def test_a_paused_redis_makes_put_fail_after_max_wait(namespace):
         assert slowest < 1.0  # never stalled beyond the bound
         server.client().client_unpause()
         writer.close()
+
+
+def test_puts_gathered_into_one_round_keep_every_effect(redis_url, namespace):
+    """Rapid puts reach Redis as one round; pins crossing zero in order, first writer's
+    rows, and a manifest after its block all come out as if applied one by one."""
+    from r3cache import Completion, R3Reader
+    from r3cache.manifest import BlockRef, Manifest
+
+    rows = [np.broadcast_to(np.arange(8, dtype=np.uint8) + 8 * i, LAYOUT.block_shape).copy()
+            for i in range(3)]
+    writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60})
+    manifest = Manifest("req", LAYOUT.fingerprint, Completion(0, 17), [BlockRef("c", 0, 16)])
+    writer.put({"a": rows[0]}, retain_keys=["a"])
+    writer.put({}, release_keys=["a"])
+    writer.put({}, retain_keys=["a"])
+    writer.put({"b": rows[1]}, retain_keys=["b"], release_keys=["b"])
+    writer.put({"c": rows[2]}, manifests=[manifest])
+    writer.put({"c": rows[0]})  # a second write of "c": the first one's rows stay
+    writer.flush()
+    reader = writer.reader
+    np.testing.assert_array_equal(reader.get_concatenated(["a", "b", "c"]),
+                                  np.concatenate(rows))
+    assert reader.refcount("a") == 1 and reader.refcount("b") == 0
+    key = reader.keys.block("b")
+    assert 0 < reader.client_for(key).pttl(key) <= 61_000  # idle: the TTL (+10 ms a rank)
+    key = reader.keys.block("a")
+    assert reader.client_for(key).pttl(key) == -1  # held: no TTL
+    with R3Reader(redis_url, namespace=namespace) as trainer:
+        np.testing.assert_array_equal(trainer.get("req"), rows[2])
+        trainer.release("req")
+    writer.close()
