@@ -106,7 +106,11 @@ class ModelRoutes:
         return capturer.snapshot(len(tokens)).cpu().numpy()
 
     def run(self, chunks: Sequence[Any], qsl: np.ndarray, padding: int) -> None:
-        """Run one step's chunks; the rows land in the capturer (the worker snapshots it)."""
+        """Run one step's chunks; the rows land in the capturer (the worker snapshots it).
+
+        ``padding`` (rows the oracle appends past the batch) has no meaning here: the
+        worker snapshots exactly the batch's rows.
+        """
         for chunk, row in zip(chunks, qsl[:-1].tolist()):
             cache, length = self._caches.get(chunk.req_id) or (self._new_cache(), 0)
             if length > chunk.start:
