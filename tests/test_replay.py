@@ -20,12 +20,17 @@ def forward(model, capturer, ids):
     return logits, capturer.snapshot(ids.numel()).numpy()
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_replay_reproduces_recorded_routes_and_outputs_exactly(name):
+def recorded(name, shape, seed):
+    """A tiny model, its capturer, inputs, and the logits and routes of one forward."""
     model = tiny_model(name, num_layers=4, seed=3)
     capturer = capturer_for(model, 128)
-    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(5))
-    logits, routes = forward(model, capturer, ids)
+    ids = torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(seed))
+    return (model, capturer, ids, *forward(model, capturer, ids))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_replay_reproduces_recorded_routes_and_outputs_exactly(name):
+    model, capturer, ids, logits, routes = recorded(name, (2, 24), seed=5)
     with replay(model, routes):
         replayed, seen = forward(model, capturer, ids)
     assert (seen == routes).all()
@@ -34,18 +39,15 @@ def test_replay_reproduces_recorded_routes_and_outputs_exactly(name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_perturbed_model_follows_recorded_routes_not_its_own(name):
-    model = tiny_model(name, num_layers=4, seed=3)
-    capturer = capturer_for(model, 128)
-    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(6))
-    _, recorded = forward(model, capturer, ids)
+    model, capturer, ids, _, routes = recorded(name, (1, 40), seed=6)
     with torch.no_grad():
         for site in find_routers(model):
             site.module.weight.add_(torch.randn_like(site.module.weight))
     _, own = forward(model, capturer, ids)
-    assert (own != recorded).any(), "the perturbation must change the model's own choice"
-    with replay(model, recorded):
+    assert (own != routes).any(), "the perturbation must change the model's own choice"
+    with replay(model, routes):
         _, seen = forward(model, capturer, ids)
-    assert (seen == recorded).all()
+    assert (seen == routes).all()
     # Outside the block the routers choose for themselves again.
     _, after = forward(model, capturer, ids)
     assert (after == own).all()

@@ -344,10 +344,9 @@ class WorkerConnector:
             snapshot = self.capturer.snapshot(int(qsl[-1]))
         else:
             self.layout.check_rows(routed_experts, "routed_experts")
-        if routed_experts is not None and n and len(routed_experts) < qsl[-1]:
-            raise InvalidBatchError(
-                f"routed_experts has {len(routed_experts)} rows, the batch covers {int(qsl[-1])}"
-            )
+            if n and len(routed_experts) < qsl[-1]:
+                raise InvalidBatchError(f"routed_experts has {len(routed_experts)} rows, "
+                                        f"the batch covers {int(qsl[-1])}")
         with self._lock:
             if len(self._inflight) >= self.max_concurrent_batches:
                 raise InvalidBatchError(
