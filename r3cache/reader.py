@@ -38,6 +38,19 @@ def _groups(manifests: list[Manifest], rows: int) -> Iterator[list[Manifest]]:
         yield group
 
 
+class _Plan(NamedTuple):
+    """One request's rows, the stored blocks that fill them, and the copies after."""
+
+    rows: np.ndarray
+    keys: list[str]  # block keys, in the order of ``targets``
+    targets: list[np.ndarray]  # where each block's rows are decoded
+    copies: list[tuple[int, np.ndarray]]  # (row, rows) placed once the blocks are in
+
+    def finish(self) -> None:
+        for start, part in self.copies:
+            self.rows[start : start + len(part)] = part
+
+
 class TokenLookup(NamedTuple):
     """Routes of the longest stored prefix of full blocks of a token sequence."""
 
@@ -97,20 +110,20 @@ class R3Reader:
             for group in _groups(manifests, _GROUP_ROWS):
                 plans = [self._plan(m) for m in group]
                 self._fetch(group, plans)
-                for manifest, (rows, _, finish) in zip(group, plans):
-                    finish()
+                for manifest, plan in zip(group, plans):
+                    plan.finish()
                     checks.append(self._checker().submit(
-                        self._checked, manifest, rows, dtype, layers))
+                        self._checked, manifest, plan.rows, dtype, layers))
             return [check.result() for check in checks]
         finally:
             for check in checks:
                 check.cancel()
 
-    def _fetch(self, manifests: list[Manifest], plans: list) -> None:
-        """Decode every whole block of ``manifests`` into its place, in one store call."""
-        keys = [k for _, targets, _ in plans for k, _ in targets]
+    def _fetch(self, manifests: list[Manifest], plans: list[_Plan]) -> None:
+        """Decode every stored block of ``manifests`` into its place, in one store call."""
+        keys = [k for plan in plans for k in plan.keys]
         try:
-            self.store.read_into(keys, [t for _, targets, _ in plans for _, t in targets])
+            self.store.read_into(keys, [t for plan in plans for t in plan.targets])
         except BlockNotFoundError as exc:
             lost = set(exc.keys)
             owners = [m.request_id for m in manifests if lost.intersection(m.block_keys)]
@@ -131,36 +144,41 @@ class R3Reader:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="r3cache-reader")
         return self._pool
 
-    def _plan(self, manifest: Manifest):
-        """(rows, [(key, target)] for the store to fill, finish() for the rest).
-
-        A whole block goes straight to its place in ``rows``; a block slice goes to a
-        scratch block first; inline rows are copied by ``finish``.
+    def _plan(self, manifest: Manifest) -> _Plan:
+        """Where each stored block of ``manifest`` goes: a whole block straight to its place
+        in the request's rows, a block slice to a scratch block first; inline rows and
+        slices are copied by ``finish``. Runs of whole blocks (a request's usual shape)
+        become views in one reshape, not one slice a block.
         """
         bs = self.layout.block_size
         rows = np.empty((manifest.completion.num_rows, *self.layout.row_shape), self.layout.dtype)
-        targets: list[tuple[str, np.ndarray]] = []
+        keys: list[str] = []
+        targets: list[np.ndarray] = []
         copies: list[tuple[int, np.ndarray]] = []
-        at = 0
+        at = run = 0  # rows placed so far; where the current run of whole blocks began
+
+        def close_run() -> None:
+            if at > run:
+                targets.extend(rows[run:at].reshape(-1, *self.layout.block_shape))
+
+        # check_extent already proved the segments cover exactly ``rows``.
         for segment in manifest.segments:
-            if isinstance(segment, BlockRef):
-                size = segment.stop - segment.start
-                if size == bs and at + bs <= len(rows):
-                    targets.append((segment.key, rows[at : at + bs]))
-                else:
-                    scratch = np.empty(self.layout.block_shape, self.layout.dtype)
-                    targets.append((segment.key, scratch))
-                    copies.append((at, scratch[segment.start : segment.stop]))
-                at += size
+            if segment.__class__ is BlockRef and segment[2] - segment[1] == bs:
+                keys.append(segment[0])
+                at += bs
+                continue
+            close_run()
+            if segment.__class__ is BlockRef:
+                scratch = np.empty(self.layout.block_shape, self.layout.dtype)
+                keys.append(segment.key)
+                targets.append(scratch)
+                copies.append((at, scratch[segment.start : segment.stop]))
             else:
                 copies.append((at, segment))
-                at += len(segment)
-
-        def finish() -> None:
-            for start, part in copies:
-                rows[start : start + len(part)] = part
-
-        return rows, targets, finish
+            at += len(copies[-1][1])
+            run = at
+        close_run()
+        return _Plan(rows, keys, targets, copies)
 
     def _validate(self, request_id: str, rows: np.ndarray, num_rows: int) -> None:
         where = f"routes of request {request_id!r}"

@@ -327,6 +327,7 @@ class RedisBlockStore:
         for n, key in enumerate(keys):
             first.setdefault(key, n)
         unique = list(first)
+        places = [targets[n] for n in first.values()]  # aligned with ``unique``
         with self._own_lock:
             own = {k: self._own_rows[k] for k in unique if k in self._own_rows}
         block_keys = [self.keys.block(k) for k in unique]
@@ -340,22 +341,22 @@ class RedisBlockStore:
             ):
                 for i, value in zip(indices, found):
                     key = unique[i]
-                    target = targets[first[key]]
-                    if key in own:
-                        target[...] = own[key]
+                    if own and key in own:
+                        places[i][...] = own[key]
                     elif value is None:
                         missing.append(key)
                     else:
-                        decode(value, key, memoryview(target).cast("B"), 0)
+                        decode(value, key, memoryview(places[i]).cast("B"), 0)
         if missing:
             raise BlockNotFoundError(
                 sorted(missing, key=first.__getitem__), namespace=self.namespace,
                 cause=f"idle TTL ({self.options.idle_ttl:g} s) expired, evicted under "
                 "maxmemory, or never written",
             )
-        for n, key in enumerate(keys):
-            if first[key] != n:
-                targets[n][...] = targets[first[key]]
+        if len(unique) < len(keys):  # a key asked for twice: copy its first place
+            for n, key in enumerate(keys):
+                if first[key] != n:
+                    targets[n][...] = targets[first[key]]
 
     def flush(self) -> None:
         self._check_open()
