@@ -12,6 +12,7 @@ from r3cache import RoutingLayout, WorkerConnector, open_store
 from r3cache.errors import StoreUnavailableError
 from r3cache.sim import Engine, SimConfig, SimRequest
 from r3cache.store.process import ProcessWriter
+from r3cache.store.ring import BlockRing
 from r3cache.store.tiered import TieredBlockStore
 from r3cache.testing import RedisServer
 
@@ -84,3 +85,55 @@ def test_puts_gathered_into_one_round_keep_every_effect(redis_url, namespace):
         np.testing.assert_array_equal(trainer.get("req"), rows[2])
         trainer.release("req")
     writer.close()
+
+
+def test_the_ring_wraps_and_waits_for_acknowledged_slots():
+    ring = BlockRing(LAYOUT, capacity=5)
+    assert ring.place(3) == 0
+    assert ring.place(3) is None  # 2 slots left at the end, none acknowledged
+    ring.freed(3)
+    assert ring.place(3) == 5  # wraps: slots 5..7 are 0..2 in memory, 3..4 skipped
+    assert ring.view(5, 3).shape == (3, *LAYOUT.block_shape)
+    assert ring.place(1) == 8  # memory slot 3: free, though 5..7 are in flight
+    ring.freed(8)
+    assert ring.place(5) is None  # needs memory 0..4; slot 8 (memory 3) is in flight
+    ring.freed(9)
+    assert ring.place(5) == 10
+    ring.slots[0] = 7
+    assert (ring.view(10, 5)[0] == 7).all()
+    ring.close()
+
+
+def test_puts_larger_than_the_ring_and_wrapping_puts_arrive_exact(redis_url, namespace):
+    rng = np.random.default_rng(5)
+    blocks = {f"k{i}": rng.integers(0, 128, LAYOUT.block_shape).astype(np.uint8)
+              for i in range(40)}
+    writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60},
+                           ring_bytes=7 * LAYOUT.block_nbytes)
+    keys = list(blocks)
+    writer.put({k: blocks[k] for k in keys[:17]}, retain_keys=keys[:17])  # 3 ring loads
+    for at in range(17, 40, 3):  # 3 at a time through 7 slots: every put wraps sometime
+        writer.put({k: blocks[k] for k in keys[at : at + 3]})
+    writer.flush()
+    np.testing.assert_array_equal(writer.reader.get_concatenated(keys),
+                                  np.concatenate(list(blocks.values())))
+    assert [writer.reader.refcount(k) for k in keys[:18]] == [1] * 17 + [0]
+    writer.close()
+
+
+def test_a_full_ring_with_redis_paused_fails_after_max_wait(namespace):
+    with RedisServer() as server:
+        writer = ProcessWriter(server.url, LAYOUT, namespace, {"idle_ttl": 60},
+                               max_pending=10_000, max_wait=0.3,
+                               ring_bytes=8 * LAYOUT.block_nbytes)
+        block = np.zeros(LAYOUT.block_shape, np.uint8)
+        writer.put({"warm": block})
+        writer.flush()
+        server.client().client_pause(3000)
+        began = time.perf_counter()
+        with pytest.raises(StoreUnavailableError, match="not written"):
+            for i in range(10_000):
+                writer.put({f"k{i}": block})
+        assert time.perf_counter() - began < 1.5  # the ring filled, then one bounded wait
+        server.client().client_unpause()
+        writer.close()

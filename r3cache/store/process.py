@@ -19,6 +19,7 @@ from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.store.base import StoreStats
+from r3cache.store.ring import DEFAULT_RING_BYTES, BlockRing
 
 _POLL = 0.5  # seconds between the helper's checks that the engine process still lives
 _NICE = 10  # the helper's niceness above the engine's
@@ -31,13 +32,14 @@ def _serve(connection: Connection) -> None:
     """The helper process: open the store, apply puts in order, answer flushes."""
     from r3cache.store.redis_connect import open_redis_store
 
-    _, url, fingerprint, namespace, options, parent = connection.recv()
+    _, url, fingerprint, namespace, options, parent, ring_fd, capacity = connection.recv()
     # Below the engine's priority: when both want a core, inference goes first and
     # writes wait (the bounded queue says when they waited too long).
     os.nice(_NICE)
+    layout = RoutingLayout.from_fingerprint(fingerprint)
+    ring = BlockRing(layout, capacity, ring_fd)
     try:
-        store = open_redis_store(url, layout=RoutingLayout.from_fingerprint(fingerprint),
-                                 namespace=namespace, **options)
+        store = open_redis_store(url, layout=layout, namespace=namespace, **options)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
         connection.send(("error", type(exc).__name__, str(exc)))
         return
@@ -52,17 +54,21 @@ def _serve(connection: Connection) -> None:
                 continue    # the janitor reclaims the holds
             message, carried = carried or connection.recv(), None
             if message[0] == "put":
-                message, carried = _gather(connection, message)
+                message, carried = _gather(connection, message, ring)
         except (EOFError, OSError):
             return
         kind = message[0]
-        if kind == "put" and not failed:
-            _, objects, retain, release, manifests = message
-            try:
-                store.put(objects, retain, release, manifests)
-            except Exception as exc:  # noqa: BLE001 - sticky, reported once
-                failed = True
-                connection.send(("error", type(exc).__name__, str(exc)))
+        if kind == "put":
+            _, objects, retain, release, manifests, upto = message
+            if not failed:
+                try:
+                    store.put(objects, retain, release, manifests)
+                except Exception as exc:  # noqa: BLE001 - sticky, reported once
+                    failed = True
+                    connection.send(("error", type(exc).__name__, str(exc)))
+            del objects  # views of the ring: its slots are the engine's again
+            if upto is not None:
+                connection.send(("freed", upto))
         elif kind == "flush":
             connection.send(("flushed", message[1]))
         elif kind == "close":
@@ -71,59 +77,68 @@ def _serve(connection: Connection) -> None:
             return
 
 
-def _gather(connection: Connection, first: tuple) -> tuple[tuple, tuple | None]:
+def _gather(connection: Connection, first: tuple,
+            ring: BlockRing) -> tuple[tuple, tuple | None]:
     """One put made of ``first`` and the puts that follow it within ``_LINGER`` seconds.
 
     Waiting a moment lets the engine finish its step before this process and Redis take
     the CPU, and makes larger rounds. Merging keeps every effect: blocks are immutable
     (first writer wins), each put's pins cross zero in order, so a key retained and
     released across them ends with the same hold, and manifests still follow all blocks.
-    Returns the merged put and the first non-put message read, if any.
+    Returns the merged put (with the ring slot below which it read everything, or
+    None) and the first non-put message read, if any.
     """
     objects: dict = {}
     retain: list = []
     release: list = []
     manifests: list = []
+    upto = None
     message: tuple | None = first
     deadline = time.monotonic() + _LINGER
     while message is not None and message[0] == "put" and len(retain) < _GATHER_KEYS:
-        _, keys, stacked, more_retain, more_release, more_manifests = message
-        for key, rows in zip(keys, stacked if keys else ()):
-            objects.setdefault(key, rows)
+        _, keys, start, more_retain, more_release, more_manifests = message
+        if keys:
+            for key, rows in zip(keys, ring.view(start, len(keys))):
+                objects.setdefault(key, rows)
+            upto = start + len(keys)
         retain += more_retain
         release += more_release
         manifests += more_manifests
         left = deadline - time.monotonic()
         message = connection.recv() if left > 0 and connection.poll(left) else None
-    return ("put", objects, retain, release, manifests), message
+    return ("put", objects, retain, release, manifests, upto), message
 
 
 class ProcessWriter:
     """Own a helper process that writes to a Redis store, and a read handle in this process.
 
-    ``put`` hands the batch to a feeder thread through a bounded queue and returns;
-    the feeder sends it to the helper process (``python -m r3cache.store.helper``),
-    which encodes, writes and keeps the holds as its own owner (its lease dies with
-    it). If the queue stays full for ``max_wait`` seconds (Redis down or stalled),
-    ``put`` raises StoreUnavailableError instead of stalling the engine. The first
-    failure in the helper is sticky: every later call raises WriterError.
+    ``put`` copies the blocks into a shared-memory ring and hands their keys and slots,
+    the pins and the manifests to a feeder thread through a bounded queue; the feeder
+    sends them to the helper process (``python -m r3cache.store.helper``), which reads
+    the rows in place, encodes, writes and keeps the holds as its own owner (its lease
+    dies with it). If the queue or the ring stays full for ``max_wait`` seconds (Redis
+    down or stalled), ``put`` raises StoreUnavailableError instead of stalling the
+    engine. The first failure in the helper is sticky: every later call raises
+    WriterError.
     """
 
     def __init__(self, url: str, layout: RoutingLayout, namespace: str, options: dict,
-                 *, max_pending: int = 512, max_wait: float = 10.0) -> None:
+                 *, max_pending: int = 512, max_wait: float = 10.0,
+                 ring_bytes: int = DEFAULT_RING_BYTES) -> None:
         from r3cache.store.redis_connect import open_redis_store
 
         self.layout = layout
         self.namespace = namespace
         self.max_wait = max_wait
+        self._ring = BlockRing.sized(layout, ring_bytes)
         ours, theirs = socket.socketpair()
         self._process = subprocess.Popen(
             [sys.executable, "-m", "r3cache.store.helper", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()])
+            pass_fds=[theirs.fileno(), self._ring.fd])
         theirs.close()
         self._connection = Connection(ours.detach())
         self._connection.send(("open", url, layout.fingerprint, namespace, options,
-                               os.getpid()))
+                               os.getpid(), self._ring.fd, self._ring.capacity))
         self._outbox: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: str | None = None
         self._closed = False
@@ -165,16 +180,46 @@ class ProcessWriter:
         self._check()
         if not (objects or retain_keys or release_keys or manifests):
             return
-        # One stacked array pickles as a single buffer; a dict of small arrays does not.
-        stacked = np.stack(list(objects.values())) if objects else None
+        deadline = time.monotonic() + self.max_wait
+        keys, rows = list(objects), list(objects.values())
+        # A put larger than the ring goes as several; pins and manifests ride on the
+        # last, so they still follow every block they name.
+        step = self._ring.capacity
+        last = (len(keys) - 1) // step * step if keys else 0
+        for at in range(0, last, step):
+            self._send_blocks(keys[at : at + step], rows[at : at + step], [], [], [],
+                              deadline)
+        self._send_blocks(keys[last:], rows[last:], list(retain_keys), list(release_keys),
+                          list(manifests), deadline)
+
+    def _send_blocks(self, keys: list[str], rows: list[np.ndarray], retain: Collection[str],
+                     release: Sequence[str], manifests: Sequence[Manifest],
+                     deadline: float) -> None:
+        start = None
+        if keys:
+            start = self._ring.place(len(keys))
+            while start is None:  # the helper still reads the slots we need
+                self._await_reply(deadline)
+                start = self._ring.place(len(keys))
+            np.stack(rows, out=self._ring.view(start, len(keys)))
         try:
-            self._outbox.put(("put", list(objects), stacked, list(retain_keys),
-                              list(release_keys), list(manifests)), timeout=self.max_wait)
+            self._outbox.put(("put", keys, start, retain, release, manifests),
+                             timeout=max(deadline - time.monotonic(), 0))
         except queue.Full:
-            raise StoreUnavailableError(
-                f"namespace {self.namespace!r}: the writer has not taken a batch for "
-                f"{self.max_wait:g} s (Redis down or stalled?); this batch was not written"
-            ) from None
+            self._unavailable()
+
+    def _await_reply(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._connection.poll(left):
+            self._unavailable()
+        self._reply(timeout=0)
+        if self._error:
+            raise WriterError(self._error)
+
+    def _unavailable(self) -> None:
+        raise StoreUnavailableError(
+            f"namespace {self.namespace!r}: the writer has not taken a batch for "
+            f"{self.max_wait:g} s (Redis down or stalled?); this batch was not written")
 
     def flush(self) -> None:
         """Return once the helper applied every earlier put (or raise its error)."""
@@ -220,6 +265,7 @@ class ProcessWriter:
             self._process.wait(10)
         finally:
             self._connection.close()
+            self._ring.close()
             self.reader.close()
         if self._error:
             raise WriterError(self._error)
@@ -233,7 +279,9 @@ class ProcessWriter:
         except (EOFError, OSError):
             raise WriterError(f"the writer process for {self.namespace!r} exited "
                               f"(code {self._process.poll()})") from None
-        if reply[0] == "error":
+        if reply[0] == "freed":
+            self._ring.freed(reply[1])
+        elif reply[0] == "error":
             self._error = (f"background writer for namespace {self.namespace!r} failed: "
                            f"{reply[1]}: {reply[2]}")
         return reply

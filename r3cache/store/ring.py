@@ -1,0 +1,73 @@
+"""BlockRing: shared memory through which the engine hands blocks to the writer process.
+
+The engine copies a put's blocks into consecutive slots of a memfd-backed mapping and
+sends only their keys and slot numbers over the socket; the helper maps the same
+memory, reads the rows in place, and acknowledges each put once it has encoded them.
+Pickling 64 blocks for the socket cost the engine process ~0.4 ms of GIL-held copying
+on this project's 2-core machine; copying them into the ring costs ~0.1 ms.
+
+Slot numbers grow without bound; slot ``n`` lives at ``n % capacity``. The engine
+owns ``head`` (the next slot it writes), the helper's acknowledgements move ``tail``
+(every slot below it is free again). A put's slots are contiguous in memory: one that
+would wrap past the end starts at slot 0 instead; the skipped slots are freed with the
+next acknowledgement (they are cumulative), or at once if nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from r3cache.layout import RoutingLayout
+
+DEFAULT_RING_BYTES = 64 << 20
+
+
+class BlockRing:
+    """Own one shared mapping of ``capacity`` block slots, and (engine side) its cursors."""
+
+    def __init__(self, layout: RoutingLayout, capacity: int, fd: int | None = None) -> None:
+        self.capacity = capacity
+        size = capacity * layout.block_nbytes
+        if fd is None:  # the engine creates it; the helper is given the descriptor
+            fd = os.memfd_create("r3cache-ring", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+        self.fd = fd
+        self._map = mmap.mmap(fd, size)
+        self.slots = np.frombuffer(self._map, layout.dtype).reshape(capacity,
+                                                                   *layout.block_shape)
+        self.head = 0
+        self.tail = 0
+
+    @classmethod
+    def sized(cls, layout: RoutingLayout, nbytes: int = DEFAULT_RING_BYTES) -> BlockRing:
+        return cls(layout, max(nbytes // layout.block_nbytes, 1))
+
+    def place(self, n: int) -> int | None:
+        """Claim ``n`` contiguous slots (``n <= capacity``) and return the first's number,
+        or None while too few are free (the helper has not acknowledged them yet)."""
+        start = self.head
+        if start % self.capacity + n > self.capacity:
+            start += self.capacity - start % self.capacity  # wrap: begin at slot 0
+        # Slots in flight are [tail, head); with none, the skipped ones hold nothing.
+        tail = start if self.tail == self.head else self.tail
+        if start + n - tail > self.capacity:
+            return None
+        self.head, self.tail = start + n, tail
+        return start
+
+    def view(self, start: int, n: int) -> np.ndarray:
+        """The rows of slots ``start .. start + n - 1`` (contiguous by construction)."""
+        at = start % self.capacity
+        return self.slots[at : at + n]
+
+    def freed(self, upto: int) -> None:
+        """The helper is done with every slot below ``upto``."""
+        self.tail = max(self.tail, upto)
+
+    def close(self) -> None:
+        del self.slots  # the mapping cannot close while an array still exports it
+        self._map.close()
+        os.close(self.fd)
