@@ -125,21 +125,21 @@ class BlockCodec:
         Anything else goes through ``decode``, which names the precise fault.
         """
         size = self._block_nbytes
-        offset_ = self._offset
+        payload_at = self._offset
         if data.startswith(self._full_lz4):
             try:
-                raw = _decompress(memoryview(data)[offset_:], uncompressed_size=size)
+                raw = _decompress(memoryview(data)[payload_at:], uncompressed_size=size)
             except lz4.block.LZ4BlockError:
                 raw = b""
             seed = self._full_seed[CODEC_LZ4]
         elif data.startswith(self._full_raw):
-            raw = memoryview(data)[offset_:]
+            raw = memoryview(data)[payload_at:]
             seed = self._full_seed[CODEC_RAW]
         else:
             raw = b""
             seed = 0
         if len(raw) == size and _hash(raw, seed) == _CHECKSUM.unpack_from(
-                data, offset_ - _CHECKSUM.size)[0]:
+                data, payload_at - _CHECKSUM.size)[0]:
             out[offset : offset + size] = raw
             return
         # Not an intact whole block: decode names the fault, or it is an intact partial one.

@@ -66,7 +66,8 @@ def _serve(connection: Connection) -> None:
                 except Exception as exc:  # noqa: BLE001 - sticky, reported once
                     failed = True
                     connection.send(("error", type(exc).__name__, str(exc)))
-            del objects  # views of the ring: its slots are the engine's again
+            # put encoded the rows (views of the ring) and kept no view: the slots are
+            # the engine's again, also when the write failed.
             if upto is not None:
                 connection.send(("freed", upto))
         elif kind == "flush":
@@ -185,8 +186,8 @@ class ProcessWriter:
         # A put larger than the ring goes as several; pins and manifests ride on the
         # last, so they still follow every block they name.
         step = self._ring.capacity
-        last = (len(keys) - 1) // step * step if keys else 0
-        for at in range(0, last, step):
+        *earlier, last = range(0, len(keys), step) or [0]
+        for at in earlier:
             self._send_blocks(keys[at : at + step], rows[at : at + step], [], [], [],
                               deadline)
         self._send_blocks(keys[last:], rows[last:], list(retain_keys), list(release_keys),
