@@ -1,3 +1,4 @@
+import lz4.block
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -7,6 +8,7 @@ from r3cache import RoutingLayout
 from r3cache.codec import (
     CODEC_LZ4,
     CODEC_RAW,
+    LZ4_ACCELERATION,
     codec_for,
     decode_rows,
     encode_rows,
@@ -46,6 +48,18 @@ def test_near_random_routes_still_fit_the_smaller_allocator_class():
     assert all(read_header(encode_rows(block(s), LAYOUT), "k").codec == CODEC_LZ4
                for s in range(4))
     assert LAYOUT.block_nbytes == 6144 and max(sizes) <= 6144 - 16  # room for Redis's SDS
+
+
+def test_lz4_runs_at_the_acceleration_it_names():
+    """python-lz4 applies ``acceleration`` only in its fast mode: the payload must be the
+    fast mode's, which on near-random routes is larger than the default effort's."""
+    rows = block(5)
+    data = encode_rows(rows, LAYOUT)
+    payload = data[read_header(data, "k").payload_offset:]
+    fast = lz4.block.compress(rows.tobytes(), mode="fast", acceleration=LZ4_ACCELERATION,
+                              store_size=False)
+    assert LZ4_ACCELERATION > 1 and payload == fast
+    assert len(payload) > len(lz4.block.compress(rows.tobytes(), store_size=False))
 
 
 def test_partial_blocks_and_wide_dtypes_round_trip():
