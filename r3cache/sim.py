@@ -575,12 +575,14 @@ def simulate(
     store_url: str = "memory://",
     namespace: str = "sim",
     routes=None,
+    writer: str = "thread",
     **store_options,
 ) -> SimReport:
     """Run ``workload`` through a fresh worker connector over the store at ``store_url``.
 
     ``routes`` is the model: the oracle by default, or an ``r3cache.models.ModelRoutes``
-    whose capturer the worker snapshots each step.
+    whose capturer the worker snapshots each step. ``writer`` is the connector's
+    (``"process"``: a Redis store is written by a helper process).
     """
     from r3cache.store import open_store
 
@@ -593,6 +595,7 @@ def simulate(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_concurrent_batches=config.async_depth,
         capturer=getattr(routes, "capturer", None),
+        writer=writer,
     )
     try:
         report = Engine(layout, worker, config, routes).run(workload)

@@ -13,7 +13,7 @@ that the script starts itself (two tiers: the connector's in-process tier in fro
 of Redis; writes by a thread, and by a helper process: "/proc"), printing each
 store's ratio to the embedded store. --store URL adds any other store. Each case runs
 on every store in turn, --repeats times; a ratio is the median over repeats of the
-store's median against the memory store's, measured just before it.
+store's median against a memory-store run of the same case right next to it.
 Layout: L=48, K=8, 128 experts (uint8), block size 16.
 
 By default steps run back to back: the connector, the writer and every redis-server
@@ -21,7 +21,7 @@ compete for the cores all the time, which no engine does (each step waits on the
 for its forward). --gpu-ms N sleeps N ms per step where the forward would run, not
 counted in the step's host time, so background writes get the idle CPU they would get.
 
-    python scripts/bench_step.py [--steps 400] [--repeats 3] [--redis] [--store URL]
+    python scripts/bench_step.py [--steps 400] [--repeats 4] [--redis] [--store URL]
                                  [--gpu-ms 5]
 """
 
@@ -171,27 +171,32 @@ CASES = [
 
 
 def measure(stores: list[tuple[str, str, str]], steps: int, repeats: int) -> None:
-    """Case by case, every store in turn, ``repeats`` times: each store's median is set
-    against the memory store's median of the same case and repeat, measured moments
-    before, so the drift of a shared VM cancels out of the ratios."""
+    """Every case on every store, ``repeats`` times, each run paired with a memory-store
+    run of the same case just before or just after it (the order alternates by round,
+    so what one run leaves behind does not favour either side). A ratio is the median
+    over pairs of the store's median against its partner's: this VM's speed drifts by
+    ±30 % within minutes, and adjacent pairs cancel most of that drift."""
+    base, others = stores[0][0], stores[1:]
     runs: dict[tuple[str, str], list[np.ndarray]] = {}
     ratios: dict[tuple[str, str], list[float]] = {}
-    for _ in range(repeats):
+    for round_ in range(repeats):
         for name, bench in CASES:
-            baseline = None
-            for label, url, writer in stores:
-                Driver.url, Driver.writer = url, writer
-                times = np.array(bench(steps)) * 1e3
-                baseline = baseline or float(np.median(times))
-                runs.setdefault((label, name), []).append(times)
-                ratios.setdefault((label, name), []).append(float(np.median(times)) / baseline)
+            for store in others or [stores[0]]:
+                pair = [stores[0], store][:: 1 if round_ % 2 == 0 else -1]
+                medians = {}
+                for label, url, writer in dict.fromkeys(pair):
+                    Driver.url, Driver.writer = url, writer
+                    times = np.array(bench(steps)) * 1e3
+                    runs.setdefault((label, name), []).append(times)
+                    medians[label] = float(np.median(times))
+                ratios.setdefault((store[0], name), []).append(medians[store[0]] / medians[base])
     for label, _, _ in stores:
         for name, _ in CASES:
             medians = [np.median(t) for t in runs[label, name]]
             pooled = np.concatenate(runs[label, name])
+            ratio = np.median(ratios.get((label, name), [1.0]))
             print(f"{label:12s} {name:32s} {np.median(medians):10.3f} "
-                  f"{np.percentile(pooled, 90):8.3f} {np.median(ratios[label, name]):7.2f}x "
-                  f"{len(pooled):6d}")
+                  f"{np.percentile(pooled, 90):8.3f} {ratio:7.2f}x {len(pooled):6d}")
 
 
 def main() -> None:
@@ -200,7 +205,7 @@ def main() -> None:
     parser.add_argument("--redis", action="store_true",
                         help="also run against a redis-server and a 6-node cluster")
     parser.add_argument("--store", action="append", default=[], help="another store URL")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=4,
                         help="rounds of every case on every store; medians reported")
     parser.add_argument("--gpu-ms", type=float, default=0.0,
                         help="model time per step, slept between begin_step and "

@@ -33,10 +33,8 @@ def test_oracle_rows_depend_on_the_whole_prefix_and_hold_distinct_experts():
     assert a.dtype == np.uint8 and a.max() < 8
 
 
-# The store URL is a plain string per backend, safe to share between examples.
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(
+# Scheduler and store settings drawn for each random workload.
+WORKLOAD = dict(
     seed=st.integers(0, 2**31),
     block_size=st.sampled_from([1, 4, 16]),
     spec=st.integers(0, 4),
@@ -49,10 +47,12 @@ def test_oracle_rows_depend_on_the_whole_prefix_and_hold_distinct_experts():
     reset=st.booleans(),
     clear_every=st.sampled_from([0, 0, 3, 17]),
 )
-def test_random_workloads_get_exactly_their_oracle_rows(
-    store_url, seed, block_size, spec, reject_prob, async_depth, budget, kv_slack,
-    max_num_seqs, prefix_caching, reset, clear_every,
-):
+SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+
+
+def check_random_workload(store_url, writer, seed, block_size, spec, reject_prob, async_depth,
+                          budget, kv_slack, max_num_seqs, prefix_caching, reset, clear_every):
+    """Run one random workload end to end; every row and every manifest must verify."""
     layout = RoutingLayout(3, 2, 300, block_size)
     workload = random_workload(seed, num_requests=10, block_size=block_size)
     longest = max(len(r.tokens) for r in workload)
@@ -64,12 +64,28 @@ def test_random_workloads_get_exactly_their_oracle_rows(
         clear_local_tier_every=clear_every,  # Redis backends: the in-process tier is dropped
     )
     options = {} if store_url.startswith("memory") else {"idle_ttl": 120}
-    report = simulate(workload, layout, config, store_url=store_url,
-                      namespace=f"test-sim-{seed}-{block_size}", **options)
+    report = simulate(workload, layout, config, store_url=store_url, writer=writer,
+                      namespace=f"test-sim-{writer}-{seed}-{block_size}", **options)
     assert report.failures == []
     assert report.rows_verified == sum(len(r.tokens) - 1 - r.prompt_start for r in workload)
     # Every request that finished while registered was read back from its manifest.
     assert report.manifests_verified == len(workload) - report.unrecorded
+
+
+# The store URL is a plain string per backend, safe to share between examples.
+@settings(max_examples=150, deadline=None, suppress_health_check=SLOW_OK)
+@given(**WORKLOAD)
+def test_random_workloads_get_exactly_their_oracle_rows(store_url, **drawn):
+    check_random_workload(store_url, "thread", **drawn)
+
+
+@pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])
+@settings(max_examples=15, deadline=None, suppress_health_check=SLOW_OK)
+@given(**WORKLOAD)
+def test_random_workloads_verify_with_the_helper_process_writer(request, backend, **drawn):
+    """The writer that meets the two-tier targets: a helper process fed by the ring, with
+    the in-process tier cleared mid-run in a quarter of the examples (reads go to Redis)."""
+    check_random_workload(request.getfixturevalue(backend), "process", **drawn)
 
 
 def test_a_grpo_workload_exercises_every_mechanism_and_verifies():
