@@ -163,7 +163,9 @@ def _stalled_run(server, policy: str, stall: str):
 
     store = open_store(server.url, layout=LAYOUT, namespace=f"stall-{policy}", idle_ttl=120,
                        socket_timeout=30, retries=1)
-    worker = WorkerConnector(layout=LAYOUT, store=store, max_num_seqs=4,
+    # The thread writer's small queue is what these policies bound; the helper process
+    # buffers a 3 s stall in its ring instead (its own bound: test_process_writer.py).
+    worker = WorkerConnector(layout=LAYOUT, store=store, max_num_seqs=4, writer="thread",
                              max_concurrent_batches=2, store_wait=0.3, on_unavailable=policy)
     workload = grpo_workload(num_prompts=6, samples=4, system_len=32, prompt_len=(16, 80),
                              output_len=(40, 200), vocab=5000, seed=3)
