@@ -575,14 +575,14 @@ def simulate(
     store_url: str = "memory://",
     namespace: str = "sim",
     routes=None,
-    writer: str = "thread",
+    writer: str = "auto",
     **store_options,
 ) -> SimReport:
     """Run ``workload`` through a fresh worker connector over the store at ``store_url``.
 
     ``routes`` is the model: the oracle by default, or an ``r3cache.models.ModelRoutes``
-    whose capturer the worker snapshots each step. ``writer`` is the connector's
-    (``"process"``: a Redis store is written by a helper process).
+    whose capturer the worker snapshots each step. ``writer`` is the connector's option
+    (``"auto"``: a helper process writes a Redis store).
     """
     from r3cache.store import open_store
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from r3cache import RoutingLayout, WorkerConnector, open_store
-from r3cache.errors import StoreUnavailableError
-from r3cache.sim import Engine, SimConfig, SimRequest
+from r3cache.errors import StoreUnavailableError, WriterError
+from r3cache.sim import Engine, SimConfig, SimRequest, oracle_rows
+from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.process import ProcessWriter
 from r3cache.store.ring import BlockRing
 from r3cache.store.tiered import TieredBlockStore
@@ -33,6 +34,40 @@ def test_the_simulator_verifies_with_a_process_writer(redis_url, namespace):
     check = open_store(redis_url, layout=LAYOUT, namespace=namespace, lease=False)
     assert not check.client_for(check.keys.owners).hexists(check.keys.owners, owner)
     check.close()
+
+
+@pytest.mark.parametrize(("url", "policy", "writer"), [
+    ("redis", "raise", ProcessWriter),
+    ("redis", "incomplete", BackgroundBlockStore),  # the helper knows "raise" only
+    ("memory", "raise", BackgroundBlockStore),  # nothing for a helper to reopen
+])
+def test_the_default_writer_is_the_helper_process_for_redis(request, namespace, url, policy,
+                                                           writer):
+    url = request.getfixturevalue("redis_url") if url == "redis" else "memory://"
+    store = open_store(url, layout=LAYOUT, namespace=namespace)
+    worker = WorkerConnector(layout=LAYOUT, store=store, on_unavailable=policy)
+    chosen = worker.store.remote if isinstance(worker.store, TieredBlockStore) else worker.store
+    worker.close()
+    assert isinstance(chosen, writer)
+
+
+def test_the_helper_waits_for_redis_that_comes_up_within_max_wait(namespace):
+    """A helper started while its Redis restarts (a failover) connects once it answers."""
+    server = RedisServer().start()
+    open_store(server.url, layout=LAYOUT, namespace=namespace).close()  # the namespace
+    server.kill()
+    # Longer than redis-py's own connection retries (a few tenths of a second) cover.
+    threading.Timer(2.5, server.start).start()
+    began = time.monotonic()
+    writer = ProcessWriter(server.url, LAYOUT, namespace, {"idle_ttl": 60}, max_wait=6.0)
+    assert 2.4 < time.monotonic() - began < 6.0
+    block = oracle_rows(np.arange(16), LAYOUT)
+    writer.put({"k": block})
+    np.testing.assert_array_equal(writer.get_concatenated(["k"]), block)
+    writer.close()
+    server.kill()
+    with pytest.raises(WriterError, match="could not open"):
+        ProcessWriter(server.url, LAYOUT, namespace, {}, max_wait=0.5)  # it never comes
 
 
 def test_a_paused_redis_makes_put_fail_after_max_wait(namespace):

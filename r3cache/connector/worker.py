@@ -112,7 +112,7 @@ class WorkerConnector:
         max_concurrent_batches: int = 1,
         background: bool = True,
         local_tier_bytes: int = 1 << 30,
-        writer: str = "thread",
+        writer: str = "auto",
         store_wait: float = 10.0,
         on_unavailable: str = "raise",
         capturer: Any = None,
@@ -123,8 +123,14 @@ class WorkerConnector:
             )
         if max_concurrent_batches < 1:
             raise InvalidBatchError("max_concurrent_batches must be >= 1")
-        if writer not in ("thread", "process"):
-            raise ContractError(f"writer must be 'thread' or 'process', not {writer!r}")
+        if writer not in ("auto", "thread", "process"):
+            raise ContractError(f"writer must be 'auto', 'thread' or 'process', not {writer!r}")
+        if writer == "auto":
+            # The helper process is what keeps a step near the embedded store's cost with
+            # Redis behind it; it knows only the "raise" policy, so "incomplete" keeps the
+            # thread, as do stores a helper cannot reopen (memory, already wrapped).
+            reopenable = getattr(store, "reopen_args", None) is not None
+            writer = "process" if reopenable and on_unavailable == "raise" else "thread"
         if writer == "process" and on_unavailable != "raise":
             # Said here rather than ignored: the helper process only knows "raise".
             raise ContractError("writer='process' supports on_unavailable='raise' only")

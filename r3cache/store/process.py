@@ -28,18 +28,37 @@ _LINGER = 0.001  # seconds the helper waits for more puts to write in the same r
 _GATHER_KEYS = 4096  # ... but no more pins than this in one round
 
 
-def _serve(connection: Connection) -> None:
-    """The helper process: open the store, apply puts in order, answer flushes."""
+def _open(url: str, layout: RoutingLayout, namespace: str, options: dict, patience: float):
+    """Open the store, retrying for up to ``patience`` seconds while Redis is unreachable.
+
+    The helper starts while the engine already runs: a primary may die, and its replica
+    take over, while this process is still connecting. Any other failure is final.
+    """
     from r3cache.store.redis_connect import open_redis_store
 
-    _, url, fingerprint, namespace, options, parent, ring_fd, capacity = connection.recv()
+    deadline = time.monotonic() + patience
+    delay = 0.05
+    while True:
+        try:
+            return open_redis_store(url, layout=layout, namespace=namespace, **options)
+        except StoreUnavailableError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
+
+def _serve(connection: Connection) -> None:
+    """The helper process: open the store, apply puts in order, answer flushes."""
+    (_, url, fingerprint, namespace, options, parent, ring_fd, capacity,
+     patience) = connection.recv()
     # Below the engine's priority: when both want a core, inference goes first and
     # writes wait (the bounded queue says when they waited too long).
     os.nice(_NICE)
     layout = RoutingLayout.from_fingerprint(fingerprint)
     ring = BlockRing(layout, capacity, ring_fd)
     try:
-        store = open_redis_store(url, layout=layout, namespace=namespace, **options)
+        store = _open(url, layout, namespace, options, patience)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
         connection.send(("error", type(exc).__name__, str(exc)))
         return
@@ -139,13 +158,13 @@ class ProcessWriter:
         theirs.close()
         self._connection = Connection(ours.detach())
         self._connection.send(("open", url, layout.fingerprint, namespace, options,
-                               os.getpid(), self._ring.fd, self._ring.capacity))
+                               os.getpid(), self._ring.fd, self._ring.capacity, max_wait))
         self._outbox: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: str | None = None
         self._closed = False
         self._flushes = 0
         self._next_check = 0.0
-        reply = self._reply(timeout=60.0)
+        reply = self._reply(timeout=60.0 + max_wait)
         if reply[0] != "ready":
             self._process.wait(10)
             raise WriterError(f"the writer process could not open {namespace!r}: "

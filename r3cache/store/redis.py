@@ -432,6 +432,11 @@ class RedisBlockStore:
     def client_for(self, key: bytes) -> redis.Redis:
         return self._nodes.client_for(key)
 
+    def call(self, key: bytes, *command: Any) -> Any:
+        """One command on the node serving ``key``, retried across a failover or MOVED."""
+        for _, (reply,) in self._execute([key], lambda _: [command]):
+            return reply
+
     def primaries(self) -> list[redis.Redis]:
         return self._nodes.primaries()
 
@@ -483,14 +488,14 @@ class _Lease:
         self._key = store.keys.lease(store.owner)
         self._stop = threading.Event()
         info = f"host={socket.gethostname()} pid={os.getpid()} started={int(time.time())}"
-        store.client_for(store.keys.owners).hset(store.keys.owners, store.owner, info)
+        store.call(store.keys.owners, "HSET", store.keys.owners, store.owner, info)
         self.beat()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"r3cache-lease-{store.owner}")
         self._thread.start()
 
     def beat(self) -> None:
-        self._store.client_for(self._key).set(self._key, b"1", px=self._ttl_ms)
+        self._store.call(self._key, "SET", self._key, b"1", "PX", self._ttl_ms)
 
     def _run(self) -> None:
         while not self._stop.wait(self._ttl_ms / 3000):
@@ -503,5 +508,5 @@ class _Lease:
         self._stop.set()
         self._thread.join()
         store = self._store
-        store.client_for(self._key).delete(self._key)
-        store.client_for(store.keys.owners).hdel(store.keys.owners, store.owner)
+        store.call(self._key, "DEL", self._key)
+        store.call(store.keys.owners, "HDEL", store.keys.owners, store.owner)
