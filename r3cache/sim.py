@@ -168,7 +168,8 @@ class SimReport:
     blocks_published: int = 0
     blocks_read: int = 0
     manifests_verified: int = 0
-    unrecorded: int = 0  # finished while preempted: no manifest (the scheduler cannot record)
+    # Finished while preempted: no manifest (the scheduler cannot record them).
+    unrecorded: list[str] = field(default_factory=list)
     rows_mismatched: int = 0  # model runs only: rows that differ from a fresh full forward
     step_seconds: list[float] = field(default_factory=list)
     store_stats: StoreStats | None = None
@@ -501,7 +502,7 @@ class Engine:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-            self.report.unrecorded += 1
+            self.report.unrecorded.append(req.id)
         self.kv.release(req.kv_blocks)
         req.kv_blocks = []
         self.routes.forget(req.id)
