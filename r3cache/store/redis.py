@@ -434,8 +434,9 @@ class RedisBlockStore:
 
     def call(self, key: bytes, *command: Any) -> Any:
         """One command on the node serving ``key``, retried across a failover or MOVED."""
-        for _, (reply,) in self._execute([key], lambda _: [command]):
-            return reply
+        # Read to the end: a round left unfinished drops its pooled connection.
+        (reply,) = [reply for _, (reply,) in self._execute([key], lambda _: [command])]
+        return reply
 
     def primaries(self) -> list[redis.Redis]:
         return self._nodes.primaries()
