@@ -23,7 +23,7 @@ from r3cache.store.ring import DEFAULT_RING_BYTES, BlockRing
 
 _POLL = 0.5  # seconds between the helper's checks that the engine process still lives
 _NICE = 10  # the helper's niceness above the engine's
-_CHECK_EVERY = 0.005  # seconds between put()'s looks at the helper's replies and liveness
+_CHECK_EVERY = 0.05  # seconds between put()'s looks at the helper's replies and liveness
 _LINGER = 0.001  # seconds the helper waits for more puts to write in the same round
 _GATHER_KEYS = 4096  # ... but no more pins than this in one round
 
