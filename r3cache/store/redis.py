@@ -434,9 +434,7 @@ class RedisBlockStore:
 
     def call(self, key: bytes, *command: Any) -> Any:
         """One command on the node serving ``key``, retried across a failover or MOVED."""
-        # Read to the end: a round left unfinished drops its pooled connection.
-        (reply,) = [reply for _, (reply,) in self._execute([key], lambda _: [command])]
-        return reply
+        return self.per_key([key], lambda _: command)[0]
 
     def primaries(self) -> list[redis.Redis]:
         return self._nodes.primaries()
