@@ -105,16 +105,19 @@ class R3Reader:
         missing = [r for r, m in zip(request_ids, manifests) if m is None]
         if missing:
             raise ManifestNotFoundError(missing, namespace=self.namespace)
-        checks = []
+        jobs, checks = [], []
         try:
             for group in _groups(manifests, _GROUP_ROWS):
                 plans = [self._plan(m) for m in group]
                 self._fetch(group, plans)
                 for manifest, plan in zip(group, plans):
                     plan.finish()
-                    checks.append(self._checker().submit(
-                        self._checked, manifest, plan.rows, dtype, layers))
-            return [check.result() for check in checks]
+                    jobs.append((manifest, plan.rows, dtype, layers))
+                    checks.append(self._checker().submit(self._checked, *jobs[-1]))
+            # A check the helper has not started runs here: with every block read, this
+            # thread would otherwise wait while the helper works through the last group.
+            return [self._checked(*job) if check.cancel() else check.result()
+                    for job, check in zip(jobs, checks)]
         finally:
             for check in checks:
                 check.cancel()

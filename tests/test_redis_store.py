@@ -42,8 +42,11 @@ def store(url, namespace):
 
 
 def command_calls(store, name: str) -> int:
-    return sum(c.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
-               for c in store.primaries())
+    return sum(command_calls_of(c, name) for c in store.primaries())
+
+
+def command_calls_of(client: redis.Redis, name: str) -> int:
+    return client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
 
 
 def test_options_come_from_the_url_query_or_keywords(redis_url, namespace):
@@ -86,9 +89,9 @@ def test_a_batch_is_one_round_per_node(store, monkeypatch):
     rounds = []
     real = redis_nodes.Round
 
-    def spy(calls):
+    def spy(calls, *window):
         rounds.append([client for client, _ in calls])
-        return real(calls)
+        return real(calls, *window)
 
     monkeypatch.setattr(redis_nodes, "Round", spy)
     blocks = {f"k{i}": blk(i) for i in range(200)}
@@ -108,6 +111,37 @@ def test_a_batch_is_one_round_per_node(store, monkeypatch):
     assert len(rounds) == 2 and len(set(rounds[1])) == nodes
     np.testing.assert_array_equal(rows, np.concatenate(list(blocks.values())))
     store.put({}, release_keys=list(blocks))
+
+
+def test_a_read_round_keeps_a_window_of_groups_in_flight(redis_url, namespace):
+    """A server runs every command it has before it writes a reply: a read round sends
+    ``ahead`` groups, then one more as each is read, so the server works while we decode."""
+    from r3cache.store.redis_nodes import Round
+
+    client = redis.Redis.from_url(redis_url)
+    keys = [f"r3:{namespace}:window:{i}" for i in range(6)]
+    client.mset({k: i for i, k in enumerate(keys)})
+
+    def served_since(base: int, expected: int) -> int:
+        deadline = time.monotonic() + 2
+        while command_calls_of(client, "mget") - base < expected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # long enough for any further group sent to be run
+        return command_calls_of(client, "mget") - base
+
+    base = command_calls_of(client, "mget")
+    calls = Round([(client, [[("MGET", k)] for k in keys])], ahead=2)
+    try:
+        assert served_since(base, 2) == 2
+        replies = calls.replies()
+        assert next(replies) == (0, 0, [[b"0"]])
+        assert served_since(base, 3) == 3
+        assert [values for _, _, values in replies] == [[[str(i).encode()]] for i in range(1, 6)]
+        assert served_since(base, 6) == 6
+    finally:
+        calls.close()
+        client.delete(*keys)
+        client.close()
 
 
 def test_script_cache_loss_is_recovered_transparently(store):

@@ -42,7 +42,8 @@ DEFAULT_LEASE_TTL = 30.0
 DEFAULT_MANIFEST_TTL = 7 * 86_400.0
 _OWN_ROWS_LIMIT = 4096
 _WRITE_CHUNK = 64  # keys per write group: small, so encoding overlaps the server's work
-_READ_CHUNK = 256
+_READ_CHUNK = 128
+_READ_AHEAD = 2
 
 
 def _pairs(reply) -> dict:
@@ -335,11 +336,12 @@ class RedisBlockStore:
         decode = self._codec.decode_into
         with redis_errors(self.namespace, "reading blocks"):
             # Each group is decoded as it arrives, while the servers send the next ones.
-            read = self._nodes.read_command
-            for indices, (found,) in self._execute(
-                block_keys, lambda idx: [read([block_keys[i] for i in idx])], chunk=_READ_CHUNK
+            nodes = self._nodes
+            for indices, replies in self._execute(
+                block_keys, lambda idx: nodes.read_commands([block_keys[i] for i in idx]),
+                chunk=_READ_CHUNK, ahead=_READ_AHEAD,
             ):
-                for i, value in zip(indices, found):
+                for i, value in zip(indices, nodes.read_values(replies)):
                     key = unique[i]
                     if own and key in own:
                         places[i][...] = own[key]
@@ -417,9 +419,10 @@ class RedisBlockStore:
     # -- plumbing shared with the janitor -------------------------------------------
 
     def _execute(self, keys: Sequence[bytes], build: Callable[[list[int]], list],
-                 chunk: int = CHUNK) -> Iterator[tuple[list[int], list[Any]]]:
+                 chunk: int = CHUNK, ahead: int | None = None
+                 ) -> Iterator[tuple[list[int], list[Any]]]:
         return execute(self._nodes, keys, build, scripts=SCRIPTS,
-                       retries=self.options.retries, chunk=chunk)
+                       retries=self.options.retries, chunk=chunk, ahead=ahead)
 
     def per_key(self, keys: list[bytes], command: Callable[[bytes], tuple]) -> list:
         """One command per key, pipelined per node; replies in key order."""

@@ -48,16 +48,6 @@ end
 return 1
 """
 
-# ARGV: block keys, any slots of this node. Returns their values (false where missing).
-# A cluster node's MGET takes one slot only; this reads a whole chunk in one call.
-READ = "#!lua flags=allow-cross-slot-keys,no-writes\n" + """
-local out = {}
-for i = 1, #ARGV do
-  out[i] = redis.call('GET', ARGV[i])
-end
-return out
-"""
-
 # ARGV: idle_ms, number of owners n, n owners, then pairs (refs key, block key).
 # Drops every hold of those owners; returns how many holds were dropped.
 RECLAIM = _HOLDS_SHEBANG + _SETTLE + """
@@ -112,9 +102,8 @@ class Script:
 
 
 HOLDS_SCRIPT = Script(HOLDS)
-READ_SCRIPT = Script(READ)
 REPLACE_HASH_SCRIPT = Script(REPLACE_HASH)
 RECLAIM_SCRIPT = Script(RECLAIM)
 OPEN_NAMESPACE_SCRIPT = Script(OPEN_NAMESPACE)
-SCRIPTS = {s.sha: s for s in (HOLDS_SCRIPT, READ_SCRIPT, RECLAIM_SCRIPT, OPEN_NAMESPACE_SCRIPT,
+SCRIPTS = {s.sha: s for s in (HOLDS_SCRIPT, RECLAIM_SCRIPT, OPEN_NAMESPACE_SCRIPT,
                                 REPLACE_HASH_SCRIPT)}
