@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
+from hiredis import pack_command
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
@@ -187,7 +188,9 @@ class _Stream:
         if group is None:
             return False
         if group:
-            self.buffer.add(self.connection.pack_commands(group))
+            # hiredis packs a command in ~0.2 µs; redis-py's pack_commands wraps the same
+            # call in ~1 µs of Python per command, which a read of 128 GETs felt.
+            self.buffer.add([pack_command(command) for command in group])
             if self.buffer.size >= _SEND_BYTES:
                 self.buffer.send(self.connection)
         self.unread.append((self.sent, len(group)))
