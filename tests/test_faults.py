@@ -149,6 +149,59 @@ def test_publication_survives_a_primary_killed_mid_run(reliability):
                     f"{report.store_stats.unreplicated} unreplicated block(s), 0 lost")
 
 
+def test_namespace_keys_follow_a_failover_from_a_store_opened_before_it():
+    """Single-key commands on the namespace's own keys (the manifest index, the owner
+    registry, a refs hash) go through the same retry as batches: a store that learned
+    the slot map before a failover releases, counts and reclaims after it."""
+    from redis.crc import key_slot
+
+    from r3cache.manifest import Completion, Manifest
+    from r3cache.store.janitor import reclaim_dead_owners
+    from r3cache.testing import RedisClusterProcesses
+
+    with RedisClusterProcesses() as cluster:
+        # No lease or janitor thread: nothing else relearns the slot map on the way.
+        store = open_store(cluster.url, layout=LAYOUT, namespace="moved", lease=False,
+                           janitor=False)
+        try:
+            index = store.keys.manifest_index
+            owner_of = {slot: n for n in cluster.primaries() for slot in _slots_served(n)}
+            victim = owner_of[key_slot(index)]
+            # A request whose manifest lives elsewhere, with no blocks: releasing it
+            # touches the victim's slots through the index alone.
+            request_id = next(f"req-{i}" for i in range(100) if owner_of[
+                key_slot(store.keys.manifest(f"req-{i}"))] is not victim)
+            rows = np.zeros((3, *LAYOUT.row_shape), LAYOUT.dtype)
+            writer = open_store(cluster.url, layout=LAYOUT, namespace="moved")
+            writer.put({}, manifests=[Manifest(request_id, LAYOUT.fingerprint,
+                                               Completion(0, 4), [rows])])
+            writer.close()
+            assert store.get_manifests([request_id]) != [None]
+            replica = next(n for n in cluster.nodes
+                           if n.client().info("replication").get("master_port") == victim.port)
+            victim.kill(signal.SIGKILL)
+            while replica.client().info("replication")["role"] != "master":
+                time.sleep(0.05)
+            victim.start()  # back as the new primary's replica: it answers MOVED
+
+            assert store.release_manifests([request_id]) == 1
+            assert store.get_manifests([request_id]) == [None]
+            assert store.call(index, "ZSCORE", index, request_id) is None
+            assert store.refcount("no-such-block") == 0
+            assert reclaim_dead_owners(store).dead_owners == ()
+        finally:
+            store.close()
+
+
+def _slots_served(node) -> set[int]:
+    """The slots a cluster node serves as primary, by the cluster's own map."""
+    slots = set()
+    for start, stop, (_, port, *_), *_ in node.client().execute_command("CLUSTER", "SLOTS"):
+        if port == node.port:
+            slots.update(range(start, stop + 1))
+    return slots
+
+
 STALLS = {
     "pause": lambda server: server.client().execute_command("CLIENT", "PAUSE", 3000, "WRITE"),
     "sleep": lambda server: server.client(socket_timeout=10).execute_command("DEBUG", "SLEEP", 3),

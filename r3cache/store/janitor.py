@@ -31,7 +31,7 @@ def scan_keys(store, pattern: bytes) -> list[bytes]:
 def owner_liveness(store) -> dict[str, bool]:
     """Every owner that ever opened the namespace, and whether its lease is alive."""
     keys = store.keys
-    registry = store.client_for(keys.owners).hkeys(keys.owners)
+    registry = store.call(keys.owners, "HKEYS", keys.owners)
     owners = [o.decode() for o in registry]
     leases = [keys.lease(o) for o in owners]
     alive = store.per_key(leases, lambda k: ("EXISTS", k))
@@ -51,7 +51,7 @@ def reclaim_dead_owners(store) -> JanitorReport:
     if dead:
         dropped = drop_holds(store, dead, scan_keys(store, store.keys.refs_pattern))
         owners_key = store.keys.owners
-        store.client_for(owners_key).hdel(owners_key, *dead)
+        store.call(owners_key, "HDEL", owners_key, *dead)
     live = tuple(o for o, alive in liveness.items() if alive)
     return JanitorReport(live, tuple(dead), dropped, expire_manifests(store))
 
@@ -59,12 +59,12 @@ def reclaim_dead_owners(store) -> JanitorReport:
 def expire_manifests(store) -> int:
     """Release manifests past their expiry (the trainer never released them)."""
     index = store.keys.manifest_index
-    expired = store.client_for(index).zrangebyscore(index, "-inf", time.time())
+    expired = store.call(index, "ZRANGEBYSCORE", index, "-inf", time.time())
     if not expired:
         return 0
     store.release_manifests([r.decode() for r in expired])
     # Index entries whose manifest is already gone are dropped as well.
-    store.client_for(index).zrem(index, *expired)
+    store.call(index, "ZREM", index, *expired)
     return len(expired)
 
 

@@ -258,7 +258,7 @@ class RedisBlockStore:
             for _ in self._execute(keys, lambda idx: [("DEL", keys[i]) for i in idx]):
                 pass
             index = self.keys.manifest_index
-            self.client_for(index).zrem(index, *(m.request_id for m in manifests))
+            self.call(index, "ZREM", index, *(m.request_id for m in manifests))
         return len(manifests)
 
     def _write_commands(self, names, block_keys, ops, indices) -> list[tuple]:
@@ -393,7 +393,7 @@ class RedisBlockStore:
         """This owner's holds on ``key``."""
         refs = self.keys.refs(key)
         with redis_errors(self.namespace, "reading a reference count"):
-            return int(self.client_for(refs).hget(refs, self.owner) or 0)
+            return int(self.call(refs, "HGET", refs, self.owner) or 0)
 
     def close(self) -> None:
         """Drop every hold this owner still has, then its lease and registry entry.
