@@ -13,7 +13,6 @@ from hiredis import pack_command
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-
 CHUNK = 512  # keys per command group: bounds how long one call occupies the server
 _SEND_BYTES = 64 << 10  # packed commands are sent in bursts of about this size
 
