@@ -148,8 +148,7 @@ class Round:
 
     def replies(self) -> Iterator[tuple[int, int, list[Any]]]:
         """(node index, group index, replies) for every group, round-robin over nodes."""
-        waiting = [stream for stream in self._streams if stream.unread]
-        while waiting:
+        while any(stream.unread for stream in self._streams):
             for n, stream in enumerate(self._streams):
                 if not stream.unread:
                     continue
@@ -157,7 +156,6 @@ class Round:
                     stream.buffer.send(stream.connection)
                 group, size = stream.unread.popleft()
                 yield n, group, [_read(stream.connection) for _ in range(size)]
-            waiting = [stream for stream in self._streams if stream.unread]
         self._done = True
 
     def close(self) -> None:
