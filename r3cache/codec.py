@@ -66,6 +66,11 @@ def encode_rows(rows: np.ndarray, layout: RoutingLayout) -> bytes:
     return codec_for(layout).encode(rows)
 
 
+def rows_digest(rows: np.ndarray) -> str:
+    """A short hex digest of rows' bytes: names one writer's version of a block."""
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(rows).data)
+
+
 def decode_rows(data: bytes, layout: RoutingLayout, key: str) -> np.ndarray:
     """Decode bytes written by :func:`encode_rows`; raise CorruptBlockError naming ``key``."""
     return codec_for(layout).decode(data, key)

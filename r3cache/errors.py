@@ -101,6 +101,10 @@ class ManifestNotFoundError(BlockNotFoundError):
         )
 
 
+class NamespaceNotFoundError(ContractError, StoreError):
+    """A store has no metadata for the namespace asked for."""
+
+
 class CorruptBlockError(StoreError):
     """Stored bytes under a block key are not a valid block of this layout."""
 

@@ -372,8 +372,6 @@ def test_close_drops_every_hold_and_leaves_no_owner_behind(url, namespace):
                 is None
             assert probe.client_for(probe.keys.block(key)).pttl(probe.keys.block(key)) > 0
         assert not client.hexists(probe.keys.owners, "tidy")
-        lease = probe.keys.lease("tidy")
-        assert not probe.client_for(lease).exists(lease)
     finally:
         probe.close()
 

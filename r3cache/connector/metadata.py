@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
+from r3cache.errors import InvalidBatchError
 from r3cache.manifest import Completion
 
 BlockHash = bytes | str | int
+
+# A str hash is used as given: printable ASCII without spaces (manifests list keys
+# separated by spaces), braces (Redis Cluster hash tags) or "~" (a writer's variant).
+_STR_HASH = re.compile(r"[!-z|]{1,256}")
 
 
 def block_key(block_hash: BlockHash) -> str:
     """The store key of a KV block hash: lowercase hex of its digest."""
     if isinstance(block_hash, (bytes, bytearray)):
+        if not block_hash:
+            raise InvalidBatchError("a block hash must not be empty")
         return block_hash.hex()
-    if isinstance(block_hash, int):
+    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
         return format(block_hash & ((1 << 128) - 1), "032x")
-    return str(block_hash)
+    if isinstance(block_hash, str) and _STR_HASH.fullmatch(block_hash):
+        return block_hash
+    raise InvalidBatchError(
+        f"block hash {block_hash!r} ({type(block_hash).__name__}) is not bytes, an int or "
+        "1-256 printable ASCII characters without spaces, braces or '~'"
+    )
 
 
 @dataclass(frozen=True)

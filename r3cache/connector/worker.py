@@ -201,6 +201,16 @@ class WorkerConnector:
             raise MetadataError(f"completions for requests that did not finish: "
                                 f"{sorted(unfinished)}")
         table = self._table
+        # Every request and key is checked before anything changes.
+        known = metadata.requests.keys() | (
+            () if metadata.generation > self._generation else table.slot_of.keys())
+        unknown = [r for r in (*metadata.block_hashes, *finished) if r not in known]
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise MetadataError(f"request {unknown[0]!r} is not registered with the worker "
+                                f"connector{more}")
+        new_keys = {r: [block_key(h) for h in hashes]
+                    for r, hashes in metadata.block_hashes.items()}
         with self._lock:
             release: list[str] = []
             if metadata.generation > self._generation:
@@ -218,9 +228,8 @@ class WorkerConnector:
                 self._register(req_id, int(emit_start))
             objects: dict[str, np.ndarray] = {}
             retain: list[str] = []
-            for req_id, hashes in metadata.block_hashes.items():
+            for req_id, keys in new_keys.items():
                 slot = table.lookup(req_id)
-                keys = [block_key(h) for h in hashes]
                 table.keys[slot].extend(keys)
                 table.nkeys[slot] += len(keys)
                 retain.extend(keys)
@@ -353,6 +362,9 @@ class WorkerConnector:
             if n and len(routed_experts) < qsl[-1]:
                 raise InvalidBatchError(f"routed_experts has {len(routed_experts)} rows, "
                                         f"the batch covers {int(qsl[-1])}")
+            # One copy per step into an array the connector owns: the caller reuses its
+            # buffer (a capture buffer, a pinned slot), and outputs are slices of this one.
+            routed_experts = routed_experts[: int(qsl[-1]) if n else 0].copy()
         with self._lock:
             if len(self._inflight) >= self.max_concurrent_batches:
                 raise InvalidBatchError(

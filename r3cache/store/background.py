@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from r3cache.errors import ContractError, StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.manifest import Manifest
 from r3cache.store.base import BlockStore, StoreStats
+from r3cache.store.bounded import BoundedCalls
 
 DEFAULT_MAX_PENDING = 512
 # What an unavailable store does to the engine: "raise" a typed error at the next call,
@@ -48,6 +50,7 @@ class BackgroundBlockStore:
             target=self._run, name=f"r3cache-writer-{inner.namespace}", daemon=True
         )
         self._thread.start()
+        self._reads = BoundedCalls(f"r3cache-read-{inner.namespace}")
 
     def put(
         self,
@@ -81,20 +84,28 @@ class BackgroundBlockStore:
         return self.inner.release_manifests(request_ids)
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
-        self.flush()
-        return self.inner.get_concatenated(keys)
+        deadline = time.monotonic() + self.max_wait
+        self.flush(deadline)
+        return self._reads.run(deadline, f"namespace {self.namespace!r}: reading blocks",
+                               self.inner.get_concatenated, keys)
 
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
-        self.flush()
-        self.inner.read_into(keys, targets)
+        """Blocks into ``targets``, all within ``max_wait`` seconds, flush included."""
+        deadline = time.monotonic() + self.max_wait
+        self.flush(deadline)
+        self._reads.run(deadline, f"namespace {self.namespace!r}: reading blocks",
+                        self.inner.read_into, keys, targets)
 
-    def flush(self) -> None:
-        """Wait for every earlier put, at most ``max_wait`` seconds (then a typed error)."""
+    def flush(self, deadline: float | None = None) -> None:
+        """Wait for every earlier put, at most ``max_wait`` seconds or until ``deadline``
+        (then a typed error)."""
         self._check()
+        if deadline is None:
+            deadline = time.monotonic() + self.max_wait
         done = self._queue.all_tasks_done
         with done:
             if not done.wait_for(lambda: not self._queue.unfinished_tasks,
-                                 timeout=self.max_wait):
+                                 timeout=max(deadline - time.monotonic(), 0)):
                 raise StoreUnavailableError(
                     f"namespace {self.namespace!r}: earlier writes still pending after "
                     f"{self.max_wait:g} s (store down or stalled?)")
@@ -116,6 +127,7 @@ class BackgroundBlockStore:
         self._closed = True
         self._queue.put(_STOP)
         self._thread.join()
+        self._reads.close()
         try:
             self.inner.close()
         finally:

@@ -116,8 +116,8 @@ class MemoryBlockStore:
             self._idle.move_to_end(key, last=False)
 
     def _insert(self, key: str, rows: np.ndarray) -> None:
-        # Own the bytes: a view would keep the caller's whole batch array alive.
-        block = rows.copy() if rows.base is not None else rows
+        # Own the bytes: the caller may write into its array after put() returns.
+        block = rows.copy()
         self._blocks[key] = block
         self._used += block.nbytes
         self._written += 1

@@ -19,6 +19,7 @@ from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.store.base import StoreStats
+from r3cache.store.bounded import BoundedCalls
 from r3cache.store.ring import DEFAULT_RING_BYTES, BlockRing
 
 _POLL = 0.5  # seconds between the helper's checks that the engine process still lives
@@ -64,6 +65,7 @@ def _serve(connection: Connection) -> None:
         return
     connection.send(("ready", store.owner))
     failed = False
+    variants_sent = 0
     carried = None  # a message read while gathering puts, handled next
     while True:
         try:
@@ -85,6 +87,12 @@ def _serve(connection: Connection) -> None:
                 except Exception as exc:  # noqa: BLE001 - sticky, reported once
                     failed = True
                     connection.send(("error", type(exc).__name__, str(exc)))
+            variants = store.variants
+            if len(variants) > variants_sent:
+                # Before "freed" and any "flushed": a read after a flush reads this
+                # writer's own rows where another's sit under the key.
+                connection.send(("variants", dict(list(variants.items())[variants_sent:])))
+                variants_sent = len(variants)
             # put encoded the rows (views of the ring) and kept no view: the slots are
             # the engine's again, also when the write failed.
             if upto is not None:
@@ -178,6 +186,7 @@ class ProcessWriter:
                                        janitor=False, owner=reply[1], **read_options)
         self.hash_algo = self.reader.hash_algo
         self.owner = reply[1]
+        self._reads = BoundedCalls(f"r3cache-read-{namespace}")
 
     def _feed(self) -> None:
         """Send queued messages to the helper, in order (pickling happens here)."""
@@ -241,24 +250,41 @@ class ProcessWriter:
             f"namespace {self.namespace!r}: the writer has not taken a batch for "
             f"{self.max_wait:g} s (Redis down or stalled?); this batch was not written")
 
-    def flush(self) -> None:
-        """Return once the helper applied every earlier put (or raise its error)."""
+    def flush(self, deadline: float | None = None) -> None:
+        """Return once the helper applied every earlier put (or raise its error), waiting
+        at most ``max_wait`` seconds or until ``deadline`` (then StoreUnavailableError)."""
         self._check()
+        if deadline is None:
+            deadline = time.monotonic() + self.max_wait
         self._flushes += 1
-        self._outbox.put(("flush", self._flushes))
+        try:
+            self._outbox.put(("flush", self._flushes),
+                             timeout=max(deadline - time.monotonic(), 0))
+        except queue.Full:
+            self._unavailable()
         while True:
-            reply = self._reply(timeout=None)
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._connection.poll(left):
+                raise StoreUnavailableError(
+                    f"namespace {self.namespace!r}: earlier writes still pending after "
+                    f"{self.max_wait:g} s (Redis down or stalled?)")
+            reply = self._reply(timeout=0)
             if reply[0] == "flushed" and reply[1] == self._flushes:
                 break
         self._check()
 
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
-        self.flush()
-        self.reader.read_into(keys, targets)
+        """Blocks into ``targets``, all within ``max_wait`` seconds, flush included."""
+        deadline = time.monotonic() + self.max_wait
+        self.flush(deadline)
+        self._reads.run(deadline, f"namespace {self.namespace!r}: reading blocks",
+                        self.reader.read_into, keys, targets)
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
-        self.flush()
-        return self.reader.get_concatenated(keys)
+        deadline = time.monotonic() + self.max_wait
+        self.flush(deadline)
+        return self._reads.run(deadline, f"namespace {self.namespace!r}: reading blocks",
+                               self.reader.get_concatenated, keys)
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         self.flush()
@@ -286,6 +312,7 @@ class ProcessWriter:
         finally:
             self._connection.close()
             self._ring.close()
+            self._reads.close()
             self.reader.close()
         if self._error:
             raise WriterError(self._error)
@@ -301,6 +328,8 @@ class ProcessWriter:
                               f"(code {self._process.poll()})") from None
         if reply[0] == "freed":
             self._ring.freed(reply[1])
+        elif reply[0] == "variants":
+            self.reader.add_variants(reply[1])
         elif reply[0] == "error":
             self._error = (f"background writer for namespace {self.namespace!r} failed: "
                            f"{reply[1]}: {reply[2]}")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
 import socket
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,9 @@ from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
     LayoutMismatchError,
+    NamespaceNotFoundError,
     StoreClosedError,
+    StoreError,
 )
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
@@ -33,14 +36,16 @@ from r3cache.store.redis_nodes import CHUNK, ClusterNodes, SingleNode, execute
 from r3cache.store.redis_scripts import (
     HOLDS_SCRIPT,
     OPEN_NAMESPACE_SCRIPT,
+    REGISTER_SCRIPT,
     REPLACE_HASH_SCRIPT,
     SCRIPTS,
 )
 
+log = logging.getLogger("r3cache.store")
+
 DEFAULT_IDLE_TTL = 86_400.0
 DEFAULT_LEASE_TTL = 30.0
 DEFAULT_MANIFEST_TTL = 7 * 86_400.0
-_OWN_ROWS_LIMIT = 4096
 _WRITE_CHUNK = 64  # keys per write group: small, so encoding overlaps the server's work
 _READ_CHUNK = 128
 _READ_AHEAD = 2
@@ -73,6 +78,22 @@ class RedisOptions:
     codec: str = "lz4"  # a namespace's block encoding: "lz4" (memory) or "raw" (read speed)
 
 
+def missing_namespace(source, display: str, keys: KeySchema | None = None
+                      ) -> NamespaceNotFoundError:
+    """The error for a namespace without metadata, naming the likely cause."""
+    keys = keys or source.keys
+    index = keys.manifest_index
+    client = source.client_for(index)
+    owners = client.hlen(keys.owners) if client is source.client_for(keys.owners) else 0
+    if client.exists(index) or owners:
+        return NamespaceNotFoundError(
+            f"namespace {keys.namespace!r} at {display} has manifests or owners but no "
+            f"metadata ({keys.meta.decode()} is gone): Redis restarted without persistence "
+            "or lost the key; a live engine writes it again at its next heartbeat "
+            "(lease_ttl / 3)")
+    return NamespaceNotFoundError(f"no namespace {keys.namespace!r} at {display}")
+
+
 class _KeyOps:
     """Own one batch's operations on one key: holds to add and drop, bytes to write."""
 
@@ -91,8 +112,10 @@ class RedisBlockStore:
     held by any owner has no TTL, and the last release gives it the idle TTL.
     Each batch is one round per node: a hold script call before the writes, the
     writes, and a settle script call after them. When another writer's bytes
-    already sit under a key, this store keeps its own rows for that key in
-    process, so its requests read back what they computed.
+    already sit under a key, this store writes its own rows under a variant key
+    (the key and a digest of its rows), moves its holds there and from then on
+    reads, holds and records that variant for the key: its requests read back
+    what they computed, never the other writer's rows.
     """
 
     def __init__(self, nodes: SingleNode | ClusterNodes, layout: RoutingLayout, namespace: str,
@@ -109,11 +132,13 @@ class RedisBlockStore:
         self._nodes = nodes
         self._display_url = display_url
         self._idle_ms = int(options.idle_ttl * 1000)
-        self._own_rows: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._own_lock = threading.Lock()
+        # key -> this writer's variant key, for keys under which another writer's rows sit.
+        self._variants: dict[str, str] = {}
         self._counts = Counter()
-        # What this owner holds, as it asked: close() drops exactly these holds.
+        # What this owner holds, as it asked: close() drops exactly these holds, and a
+        # lease that finds itself reclaimed applies them again. Guarded by _hold_lock.
         self._holds: Counter[str] = Counter()
+        self._hold_lock = threading.RLock()
         self._closed = False
         self.reopen_args: tuple[str, dict] | None = None  # set by open_redis_store
         self._lease: _Lease | None = None
@@ -123,12 +148,12 @@ class RedisBlockStore:
                 for script in SCRIPTS.values():
                     client.script_load(script.source)
             self._open_namespace()
-            if options.lease:
-                self._lease = _Lease(self)
             if options.janitor:
                 from r3cache.store.janitor import reclaim_dead_owners
 
                 reclaim_dead_owners(self)
+            if options.lease:
+                self._lease = _Lease(self)
 
     # -- the BlockStore protocol ----------------------------------------------------
 
@@ -144,7 +169,7 @@ class RedisBlockStore:
             raise ContractError("a store opened with lease=False cannot hold blocks")
         for key, rows in objects.items():
             self.layout.check_block(rows, f"block {key!r}")  # before anything is sent
-        with redis_errors(self.namespace, "writing blocks"):
+        with redis_errors(self.namespace, "writing blocks"), self._hold_lock:
             if not manifests:
                 self._write(objects, retain_keys, release_keys)
                 return
@@ -153,8 +178,36 @@ class RedisBlockStore:
             self._record(manifests)
             self._write({}, (), release_keys)
 
+    def _variant(self, keys: Collection[str]) -> list[str]:
+        """``keys`` with this writer's variant in place of each key it lost a conflict on."""
+        variants = self._variants
+        return [variants.get(k, k) for k in keys] if variants else list(keys)
+
     def _write(self, objects, retain_keys, release_keys) -> None:
-        """One round: this owner's retains, the blocks' bytes, its releases."""
+        """One round: this owner's retains, the blocks' bytes, its releases; then, for
+        keys under which another writer's rows sit, the same for this writer's variant."""
+        if self._variants:
+            objects = dict(zip(self._variant(objects), objects.values()))
+            retain_keys, release_keys = self._variant(retain_keys), self._variant(release_keys)
+        lost = self._round(objects, retain_keys, release_keys)
+        if lost:
+            self._move_to_variants(lost)
+
+    def _move_to_variants(self, lost: dict[str, np.ndarray]) -> None:
+        """Write each lost key's rows under its variant, and move this owner's holds there.
+
+        The variant's name is the key and a digest of the rows, so it is the same for
+        every writer with these rows, and a reader of a manifest needs nothing else.
+        """
+        for key, rows in lost.items():
+            self._variants[key] = f"{key}~{codec.rows_digest(rows)}"
+        moved = [k for k in lost for _ in range(self._holds[k])]
+        self._round({self._variants[k]: rows for k, rows in lost.items()},
+                    [self._variants[k] for k in moved], moved)
+
+    def _round(self, objects, retain_keys, release_keys, track: bool = True
+               ) -> dict[str, np.ndarray]:
+        """One round of writes; returns the rows of keys whose stored bytes are another's."""
         ops: dict[str, _KeyOps] = {}
         for key, rows in objects.items():
             ops.setdefault(key, _KeyOps()).rows = rows
@@ -165,10 +218,12 @@ class RedisBlockStore:
             op.release += 1
             op.rank = rank
         if not ops:
-            return
-        self._track_holds(retain_keys, release_keys)
+            return {}
+        if track:
+            self._track_holds(retain_keys, release_keys)
         names = list(ops)
         block_keys = [self.keys.block(k) for k in names]
+        lost: dict[str, np.ndarray] = {}
         for indices, replies in self._execute(
             block_keys, lambda idx: self._write_commands(names, block_keys, ops, idx),
             chunk=_WRITE_CHUNK,
@@ -176,16 +231,34 @@ class RedisBlockStore:
             written = [i for i in indices if ops[names[i]].rows is not None]
             offset = 1 if any(ops[names[i]].retain for i in indices) else 0
             for i, old in zip(written, replies[offset:]):
-                self._count(names[i], ops[names[i]], old)
+                if "~" in names[i]:
+                    continue  # a variant: its key is this writer's rows, already counted
+                if self._count(ops[names[i]], old):
+                    lost[names[i]] = ops[names[i]].rows
             if self.options.wait_replicas and replies[-1] < self.options.wait_replicas:
                 # Stored, but not yet on a replica (a shard lost its replica to a
                 # failover): counted; if this primary dies too, reads fail typed.
                 self._counts["unreplicated"] += len(written)
+        return lost
 
     def _record(self, manifests: Sequence[Manifest]) -> None:
-        """Two rounds: each manifest's holds on its blocks, then the manifests themselves."""
+        """Three rounds: the holds of earlier manifests under the same request ids dropped
+        (a reused id replaces its manifest), each manifest's holds on its blocks, then the
+        manifests themselves."""
+        from r3cache.store.janitor import release_manifests
+
         expires = time.time() + self.options.manifest_ttl
-        pairs = [(manifest_owner(m.request_id), k) for m in manifests
+        records = [self._own_version(m) for m in manifests]
+        names = [self.keys.manifest(m.request_id) for m in records]
+        replaced = [m.request_id for m, n in
+                    zip(records, self.per_key(names, lambda k: ("EXISTS", k))) if n]
+        if replaced:
+            self._counts["manifests_replaced"] += len(replaced)
+            log.warning("namespace %r: %d request id(s) recorded again; their earlier "
+                        "manifests were released: %s", self.namespace, len(replaced),
+                        ", ".join(map(repr, replaced[:8])))
+            release_manifests(self, replaced)
+        pairs = [(manifest_owner(m.request_id), k) for m in records
                  for k in dict.fromkeys(m.block_keys)]
         refs = [self.keys.block(k) for _, k in pairs]
 
@@ -199,7 +272,6 @@ class RedisBlockStore:
 
         for _ in self._execute(refs, holds):
             pass
-        records = [self._own_version(m) for m in manifests]
         for record in records:
             record.expires_at = expires
         keys = [self.keys.manifest(m.request_id) for m in records] + [self.keys.manifest_index]
@@ -220,13 +292,12 @@ class RedisBlockStore:
             pass
 
     def _own_version(self, manifest: Manifest) -> Manifest:
-        """Inline this writer's rows where the stored block under a key is another's."""
-        with self._own_lock:
-            own = {k: self._own_rows[k] for k in manifest.block_keys if k in self._own_rows}
-        if not own:
+        """The manifest naming this writer's variant where another's rows sit under a key."""
+        variants = self._variants
+        if not variants or not any(k in variants for k in manifest.block_keys):
             return manifest
-        segments = [own[s.key][s.start:s.stop].copy()
-                    if isinstance(s, BlockRef) and s.key in own else s
+        segments = [BlockRef(variants[s.key], s.start, s.stop)
+                    if isinstance(s, BlockRef) and s.key in variants else s
                     for s in manifest.segments]
         return Manifest(manifest.request_id, manifest.fingerprint, manifest.completion, segments)
 
@@ -239,27 +310,25 @@ class RedisBlockStore:
                     keys, lambda idx: [("HGETALL", keys[i]) for i in idx]):
                 for i, fields in zip(indices, replies):
                     if fields:
-                        found[i] = Manifest.from_fields(request_ids[i], _pairs(fields),
-                                                        self.layout)
+                        found[i] = self.parse_manifest(request_ids[i], fields)
         return found
 
+    def parse_manifest(self, request_id: str, fields) -> Manifest:
+        """A manifest from its HGETALL reply (CorruptBlockError if it cannot be read)."""
+        return Manifest.from_fields(request_id, _pairs(fields), self.layout)
+
     def release_manifests(self, request_ids: Sequence[str]) -> int:
-        from r3cache.store.janitor import drop_holds
+        """Delete manifests and drop their holds, unreadable ones included."""
+        from r3cache.store.janitor import release_manifests
 
         self._check_open()
-        manifests = [m for m in self.get_manifests(request_ids) if m is not None]
-        if not manifests:
-            return 0
+        names = [self.keys.manifest(r) for r in request_ids]
         with redis_errors(self.namespace, "releasing manifests"):
-            refs = list(dict.fromkeys(self.keys.refs(k) for m in manifests
-                                      for k in m.block_keys))
-            drop_holds(self, [manifest_owner(m.request_id) for m in manifests], refs)
-            keys = [self.keys.manifest(m.request_id) for m in manifests]
-            for _ in self._execute(keys, lambda idx: [("DEL", keys[i]) for i in idx]):
-                pass
-            index = self.keys.manifest_index
-            self.call(index, "ZREM", index, *(m.request_id for m in manifests))
-        return len(manifests)
+            present = [r for r, n in zip(request_ids, self.per_key(names, lambda k: ("EXISTS", k)))
+                       if n]
+            if present:
+                release_manifests(self, present)
+        return len(set(present))
 
     def _write_commands(self, names, block_keys, ops, indices) -> list[tuple]:
         """Retains, then ``SET NX GET`` of the encoded rows, then releases and TTL settling.
@@ -301,17 +370,25 @@ class RedisBlockStore:
             else:
                 holds.pop(key, None)
 
-    def _count(self, key: str, op: _KeyOps, old: bytes | None) -> None:
+    def _count(self, op: _KeyOps, old: bytes | None) -> bool:
+        """Count one SET NX reply; whether the stored bytes are another writer's."""
         if old is None:
             self._counts["written"] += 1
         elif old == op.data:
             self._counts["duplicates"] += 1
         else:
             self._counts["conflicts"] += 1
-            with self._own_lock:
-                self._own_rows[key] = np.array(op.rows, copy=True)
-                while len(self._own_rows) > _OWN_ROWS_LIMIT:
-                    self._own_rows.popitem(last=False)
+            return True
+        return False
+
+    @property
+    def variants(self) -> dict[str, str]:
+        """key -> this writer's variant key, in the order they were found."""
+        return self._variants
+
+    def add_variants(self, variants: Mapping[str, str]) -> None:
+        """Read ``variants[k]`` wherever ``k`` is asked for (what a writer process found)."""
+        self._variants.update(variants)
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         bs = self.layout.block_size
@@ -329,9 +406,7 @@ class RedisBlockStore:
             first.setdefault(key, n)
         unique = list(first)
         places = [targets[n] for n in first.values()]  # aligned with ``unique``
-        with self._own_lock:
-            own = {k: self._own_rows[k] for k in unique if k in self._own_rows}
-        block_keys = [self.keys.block(k) for k in unique]
+        block_keys = [self.keys.block(k) for k in self._variant(unique)]
         missing: list[str] = []
         decode = self._codec.decode_into
         with redis_errors(self.namespace, "reading blocks"):
@@ -343,9 +418,7 @@ class RedisBlockStore:
             ):
                 for i, value in zip(indices, nodes.read_values(replies)):
                     key = unique[i]
-                    if own and key in own:
-                        places[i][...] = own[key]
-                    elif value is None:
+                    if value is None:
                         missing.append(key)
                     else:
                         decode(value, key, memoryview(places[i]).cast("B"), 0)
@@ -390,8 +463,8 @@ class RedisBlockStore:
         )
 
     def refcount(self, key: str) -> int:
-        """This owner's holds on ``key``."""
-        refs = self.keys.refs(key)
+        """This owner's holds on ``key`` (on its variant, where it has one)."""
+        refs = self.keys.refs(self._variants.get(key, key))
         with redis_errors(self.namespace, "reading a reference count"):
             return int(self.call(refs, "HGET", refs, self.owner) or 0)
 
@@ -409,7 +482,7 @@ class RedisBlockStore:
             if self._lease is not None:
                 from r3cache.store.janitor import drop_holds
 
-                with redis_errors(self.namespace, "closing"):
+                with redis_errors(self.namespace, "closing"), self._hold_lock:
                     drop_holds(self, [self.owner], [self.keys.refs(k) for k in self._holds])
                     self._holds.clear()
                     self._lease.stop()
@@ -442,6 +515,18 @@ class RedisBlockStore:
     def primaries(self) -> list[redis.Redis]:
         return self._nodes.primaries()
 
+    def restore(self) -> None:
+        """After Redis lost this owner's state: the namespace metadata, then every hold."""
+        with redis_errors(self.namespace, "restoring holds"), self._hold_lock:
+            if not self.call(self.keys.meta, "EXISTS", self.keys.meta):
+                self._counts["metadata_restored"] += 1
+                log.warning("namespace %r: its metadata was gone (Redis restarted without "
+                            "persistence?); written again", self.namespace)
+                self._open_namespace()
+            holds = list(self._holds.elements())
+            if holds:
+                self._round({}, holds, (), track=False)
+
     def _open_namespace(self) -> None:
         fields = {
             "fingerprint": self.layout.fingerprint,
@@ -456,11 +541,15 @@ class RedisBlockStore:
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         meta = self.keys.meta
-        args = [meta, *(str(x) for kv in fields.items() for x in kv)]
-        reply = self.client_for(meta).execute_command(*OPEN_NAMESPACE_SCRIPT.command(*args))
-        if self.options.lease:  # read-only handles (trainers) write nothing
+        client = self.client_for(meta)
+        # Read-only handles (trainers, admins) of an existing namespace write nothing, so
+        # they open under OOM and with read-only credentials.
+        reply = None if self.options.lease else client.execute_command("HGETALL", meta)
+        if not reply:
+            args = [meta, *(str(x) for kv in fields.items() for x in kv)]
+            reply = client.execute_command(*OPEN_NAMESPACE_SCRIPT.command(*args))
             self.client_for(NAMESPACES_KEY).sadd(NAMESPACES_KEY, self.namespace)
-        stored = {k.decode(): v.decode() for k, v in zip(reply[::2], reply[1::2])}
+        stored = {k.decode(): v.decode() for k, v in _pairs(reply).items()}
         # A read-only handle writes no block: it decodes whatever each header says.
         checked = ("fingerprint", "codec", "format_version", "hash_algo") if self.options.lease \
             else ("fingerprint", "format_version", "hash_algo")
@@ -482,33 +571,55 @@ class RedisBlockStore:
 
 
 class _Lease:
-    """Own this owner's heartbeat key and registry entry, refreshed by a daemon thread."""
+    """Own this owner's entry in the owners registry, refreshed by a daemon thread.
+
+    The entry holds an expiry on the server's clock in a hash without a TTL, so
+    neither eviction nor a full Redis can make a live owner look dead. A heartbeat
+    that finds its entry gone (reclaimed after a stall, or Redis restarted without
+    persistence) registers again, re-creates the namespace metadata if it is gone,
+    and applies every hold the owner has again.
+    """
 
     def __init__(self, store: RedisBlockStore) -> None:
+        from r3cache.store.janitor import drop_owner_everywhere
+
         self._store = store
         self._ttl_ms = int(store.options.lease_ttl * 1000)
-        self._key = store.keys.lease(store.owner)
+        self._key = store.keys.owners
         self._stop = threading.Event()
-        info = f"host={socket.gethostname()} pid={os.getpid()} started={int(time.time())}"
-        store.call(store.keys.owners, "HSET", store.keys.owners, store.owner, info)
-        self.beat()
+        self.renewals = 0  # heartbeats that found the entry gone and registered again
+        self._info = f"host={socket.gethostname()} pid={os.getpid()} started={int(time.time())}"
+        if self._register("open") == 2:
+            # The name was registered by an earlier incarnation (a crash, then a restart
+            # with the same owner=): what it held is not this one's.
+            log.warning("namespace %r: owner %r was registered before; dropping the holds "
+                        "of its earlier incarnation", store.namespace, store.owner)
+            drop_owner_everywhere(store, store.owner)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"r3cache-lease-{store.owner}")
         self._thread.start()
 
+    def _register(self, mode: str) -> int:
+        store = self._store
+        return int(store.call(self._key, *REGISTER_SCRIPT.command(
+            self._key, store.owner, self._ttl_ms, self._info, mode)))
+
     def beat(self) -> None:
-        self._store.call(self._key, "SET", self._key, b"1", "PX", self._ttl_ms)
+        if self._register("beat") == -1:
+            self.renewals += 1
+            log.warning("namespace %r: owner %r found its lease gone (reclaimed after a "
+                        "stall, or Redis lost its data); registered again and re-applying "
+                        "its holds", self._store.namespace, self._store.owner)
+            self._store.restore()
 
     def _run(self) -> None:
         while not self._stop.wait(self._ttl_ms / 3000):
             try:
                 self.beat()
-            except redis.exceptions.RedisError:
-                continue  # retried at the next beat; the lease TTL covers short outages
+            except (redis.exceptions.RedisError, StoreError):
+                continue  # retried at the next beat; the lease covers short outages
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        store = self._store
-        store.call(self._key, "DEL", self._key)
-        store.call(store.keys.owners, "HDEL", store.keys.owners, store.owner)
+        self._store.call(self._key, "HDEL", self._key, self._store.owner)

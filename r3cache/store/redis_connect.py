@@ -14,7 +14,7 @@ from redis.retry import Retry
 
 from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
-from r3cache.store.redis import RedisBlockStore, RedisOptions
+from r3cache.store.redis import RedisBlockStore, RedisOptions, missing_namespace
 from r3cache.store.redis_errors import redis_errors
 from r3cache.store.redis_keys import KeySchema, check_name
 from r3cache.store.redis_nodes import ClusterNodes, SingleNode
@@ -117,6 +117,7 @@ def open_redis_store(url: str, *, layout: RoutingLayout | None, namespace: str,
 def _stored_layout(nodes, keys: KeySchema, display: str) -> RoutingLayout:
     with redis_errors(keys.namespace, "reading the namespace metadata"):
         fingerprint = nodes.client_for(keys.meta).hget(keys.meta, "fingerprint")
-    if fingerprint is None:
-        raise ContractError(f"no namespace {keys.namespace!r} at {display}")
+        if fingerprint is None:
+            raise missing_namespace(nodes, display, keys)
     return RoutingLayout.from_fingerprint(fingerprint.decode())
+

@@ -3,12 +3,14 @@
 ``r3:namespaces``                  set of namespaces ever opened
 ``r3:{ns}:meta``                   hash: layout fingerprint and fields, dtype, codec, hash algo,
                                    created_at
-``r3:{ns}:owners``                 hash: owner id -> "host= pid= started=" of every live owner
-``r3:{ns}:lease:{owner}``          string with a TTL: the owner's heartbeat
+``r3:{ns}:owners``                 hash: owner id -> "<lease expiry, ms on the server's clock>
+                                   host= pid= started="; no TTL (expiry 0: being reclaimed)
 ``r3:{ns}:b:{<block hash>}``       string: one encoded block (codec header + lz4 payload)
 ``r3:{ns}:r:{<block hash>}``       hash: owner -> hold count; absent when nobody holds the block
 ``r3:{ns}:m:{<request id>}``       hash: one finished request's manifest (see r3cache.manifest)
 ``r3:{ns}:manifests``              sorted set: request id scored by its manifest's expiry time
+``r3:{ns}:unreadable``             hash: request id -> why its expired manifest could not be
+                                   parsed (the janitor released it all the same)
 
 The block hash sits in braces, a Redis Cluster hash tag, so a block and its
 reference counts share one slot and one Lua call can change both atomically.
@@ -24,9 +26,12 @@ NAMESPACES_KEY = b"r3:namespaces"
 _NAME = re.compile(r"^[A-Za-z0-9._@+/=-]{1,200}$")
 
 
+MANIFEST_OWNER_PREFIX = "m:"  # engine owner names cannot contain ":"
+
+
 def manifest_owner(request_id: str) -> str:
     """The owner name under which a request's manifest holds its blocks."""
-    return "m:" + request_id
+    return MANIFEST_OWNER_PREFIX + request_id
 
 
 def check_name(value: str, what: str) -> str:
@@ -43,12 +48,12 @@ class KeySchema:
     def __init__(self, namespace: str) -> None:
         self.namespace = check_name(namespace, "namespace")
         base = f"r3:{namespace}:"
-        self._base = base.encode()
         self.meta = (base + "meta").encode()
         self.owners = (base + "owners").encode()
         self.refs_pattern = (base + "r:*").encode()
         self.manifests_pattern = (base + "m:*").encode()
         self.manifest_index = (base + "manifests").encode()
+        self.unreadable = (base + "unreadable").encode()
         self._manifest = (base + "m:{").encode()
         self.blocks_pattern = (base + "b:*").encode()
         self._block = (base + "b:{").encode()
@@ -66,5 +71,3 @@ class KeySchema:
     def manifest(self, request_id: str) -> bytes:
         return self._manifest + request_id.encode() + b"}"
 
-    def lease(self, owner: str) -> bytes:
-        return self._base + b"lease:" + owner.encode()

@@ -70,6 +70,81 @@ end
 return dropped
 """
 
+# The owners registry: one hash without a TTL, owner -> "<expiry ms> <info>", the expiry
+# read from the server's clock. No TTL, so volatile-* eviction cannot take a live owner's
+# lease; the scripts allow OOM, so a full Redis cannot refuse a heartbeat. An expiry of 0
+# marks an owner the janitor is reclaiming.
+_NOW = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function expiry(entry)
+  return tonumber(string.match(entry, '^(%d+)'))
+end
+local function info(entry)
+  return (string.gsub(entry, '^%d+ ?', ''))
+end
+"""
+
+# ARGV: owners key, owner, ttl_ms, info, mode ("open" or "beat").
+# open: registers the owner; returns 2 if an entry of that name was there (an earlier
+# incarnation: its holds must be dropped), else 1.
+# beat: extends a live entry (returns 1); leaves an entry being reclaimed alone
+# (returns 0); re-registers an owner whose entry is gone, after a reclaim or a Redis
+# restart without persistence (returns -1: its holds must be applied again).
+REGISTER = _HOLDS_SHEBANG + _NOW + """
+local key, owner, ttl, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[5]
+local old = redis.call('HGET', key, owner)
+local text = ARGV[4]
+if mode == 'beat' and old then
+  if expiry(old) == 0 then return 0 end
+  text = info(old)
+end
+redis.call('HSET', key, owner, (now_ms() + ttl) .. ' ' .. text)
+if mode == 'beat' then
+  if old then return 1 else return -1 end
+end
+if old then return 2 else return 1 end
+"""
+
+# ARGV: owners key, grace_ms, then holders found in reference hashes. A holder with no
+# entry gets one that expires after grace_ms (a live owner's next heartbeat keeps it);
+# entries past their expiry are marked as being reclaimed. Returns {dead, live} names.
+SWEEP = _HOLDS_SHEBANG + _NOW + """
+local key, grace = ARGV[1], tonumber(ARGV[2])
+local now = now_ms()
+for i = 3, #ARGV do
+  redis.call('HSETNX', key, ARGV[i], (now + grace) .. ' unregistered holder found by the janitor')
+end
+local entries = redis.call('HGETALL', key)
+local dead, live = {}, {}
+for i = 1, #entries, 2 do
+  local owner, entry = entries[i], entries[i + 1]
+  local e = expiry(entry) or 0
+  if e > now then
+    table.insert(live, owner)
+  else
+    if e > 0 then redis.call('HSET', key, owner, '0 ' .. info(entry)) end
+    table.insert(dead, owner)
+  end
+end
+return {dead, live}
+"""
+
+# ARGV: owners key, then owners whose holds were dropped: their entries go, unless the
+# owner came back meanwhile (a live expiry again).
+FORGET = _HOLDS_SHEBANG + _NOW + """
+local forgotten = 0
+for i = 2, #ARGV do
+  local entry = redis.call('HGET', ARGV[1], ARGV[i])
+  if entry and expiry(entry) == 0 then
+    forgotten = forgotten + redis.call('HDEL', ARGV[1], ARGV[i])
+  end
+end
+return forgotten
+"""
+
 # ARGV: a hash key, then field/value pairs. Replaces the whole hash at once.
 REPLACE_HASH = _SHEBANG + """
 redis.call('DEL', ARGV[1])
@@ -78,8 +153,9 @@ return 1
 """
 
 # ARGV: meta key, then field/value pairs.
-# Creates the namespace metadata unless it exists; returns the stored fields.
-OPEN_NAMESPACE = _SHEBANG + """
+# Creates the namespace metadata unless it exists (also under OOM: a few bytes that
+# every reader needs); returns the stored fields.
+OPEN_NAMESPACE = _HOLDS_SHEBANG + """
 local meta = ARGV[1]
 if redis.call('EXISTS', meta) == 0 then
   for i = 2, #ARGV, 2 do
@@ -105,5 +181,9 @@ HOLDS_SCRIPT = Script(HOLDS)
 REPLACE_HASH_SCRIPT = Script(REPLACE_HASH)
 RECLAIM_SCRIPT = Script(RECLAIM)
 OPEN_NAMESPACE_SCRIPT = Script(OPEN_NAMESPACE)
+REGISTER_SCRIPT = Script(REGISTER)
+SWEEP_SCRIPT = Script(SWEEP)
+FORGET_SCRIPT = Script(FORGET)
 SCRIPTS = {s.sha: s for s in (HOLDS_SCRIPT, RECLAIM_SCRIPT, OPEN_NAMESPACE_SCRIPT,
-                                REPLACE_HASH_SCRIPT)}
+                                REPLACE_HASH_SCRIPT, REGISTER_SCRIPT, SWEEP_SCRIPT,
+                                FORGET_SCRIPT)}
