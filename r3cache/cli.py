@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
@@ -249,13 +251,14 @@ def _read_parsers(sub: argparse._SubParsersAction) -> None:
 
     export = sub.add_parser(
         "export", help="every recorded request of a namespace into a directory of .npy files",
-        description="Writes DIR/<request id>.npy for every manifest in the namespace and "
-        "DIR/index.json listing them with their prompt_start and token count.")
+        description="Writes one .npy file per manifest in the namespace (named by its "
+        "position and the request id's safe characters) and DIR/index.json mapping each "
+        "request id to its file, prompt_start and token count.")
     export.add_argument("url", help=url_help)
     export.add_argument("--namespace", required=True)
     export.add_argument("--out", required=True, help="directory to create or fill")
     export.add_argument("--dtype", default=None)
-    export.add_argument("--batch", type=int, default=16, help="requests per read")
+    export.add_argument("--batch", type=_positive, default=16, help="requests per read")
     export.set_defaults(func=_run_export)
 
     plot = sub.add_parser(
@@ -341,7 +344,7 @@ def _run_export(args: argparse.Namespace) -> int:
                 manifests = reader.store.get_manifests(batch)
                 for request_id, manifest, rows in zip(
                         batch, manifests, reader.get_many(batch, dtype=args.dtype)):
-                    name = f"{request_id}.npy"
+                    name = _file_name(len(index), request_id)
                     np.save(out / name, rows)
                     index.append({"request_id": request_id, "file": name,
                                   "prompt_start": manifest.completion.prompt_start,
@@ -353,6 +356,23 @@ def _run_export(args: argparse.Namespace) -> int:
          "requests": index}, indent=1))
     print(f"exported {len(index)} request(s) to {out}")
     return 0
+
+
+def _file_name(position: int, request_id: str) -> str:
+    """A file name inside the export directory for any request id: its position keeps it
+    unique, the id's safe characters keep it recognisable (the id itself is in index.json)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", request_id).strip(".")[:80]
+    return f"{position:06d}-{safe}.npy" if safe else f"{position:06d}.npy"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return value
 
 
 def _run_plot(args: argparse.Namespace) -> int:
@@ -400,13 +420,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _redacted(text: str, argv: list[str]) -> str:
+    """``text`` with the password of any URL on the command line blotted out."""
+    for arg in argv:
+        userinfo = urlsplit(arg).netloc.rpartition("@")[0] if "://" in arg else ""
+        password = userinfo.partition(":")[2]
+        for secret in {password, unquote(password)} - {""}:
+            text = text.replace(secret, "***")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except R3Error as exc:
-        print(f"r3cache {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        message = f"{type(exc).__name__}: {exc}"
+    except OSError as exc:  # a file the command was told to write or read
+        message = f"{exc.strerror or type(exc).__name__}: {exc.filename or exc}"
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        message = f"unexpected {type(exc).__name__}: {exc}"
+    print(f"r3cache {args.command}: " + _redacted(message, argv).splitlines()[0],
+          file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

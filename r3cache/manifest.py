@@ -2,9 +2,9 @@
 
 A manifest covers positions ``[prompt_start, num_tokens - 1)`` as an ordered list of
 segments: a stored block (whole, or a slice of it) referenced by key, or rows held
-inline (a partial tail, a block that never got a hash, or a block whose stored bytes
-are another writer's). Inline rows are encoded with the block codec, and a checksum
-over the request id and every field catches any other change.
+inline (a partial tail, or a block that never got a hash). Inline rows are encoded
+with the block codec, and a checksum over the request id and every field catches any
+other change.
 """
 
 from __future__ import annotations
@@ -16,10 +16,24 @@ import numpy as np
 import xxhash
 
 from r3cache import codec
-from r3cache.errors import CorruptBlockError, LayoutMismatchError
+from r3cache.errors import ContractError, CorruptBlockError, LayoutMismatchError
 from r3cache.layout import RoutingLayout
 
 FORMAT = "1"
+_MAX_REQUEST_ID = 1024
+
+
+def check_request_id(request_id: object) -> str:
+    """``request_id`` if it can name a manifest (a non-empty str that UTF-8 can encode)."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= _MAX_REQUEST_ID:
+        raise ContractError(f"a request id must be a str of 1-{_MAX_REQUEST_ID} characters, "
+                            f"not {request_id!r:.80}")
+    try:
+        request_id.encode()
+    except UnicodeEncodeError:
+        raise ContractError(f"request id {request_id!r:.80} cannot be encoded as UTF-8 (a lone "
+                            "surrogate?)") from None
+    return request_id
 
 
 class Completion(NamedTuple):

@@ -13,7 +13,7 @@ from r3cache.testing import RedisServer
 
 # The lines the README gives; the test runs them verbatim.
 ENGINE_ACL = ("r3-engine on >engine-pw ~r3:* resetchannels -@all +@read +@write "
-              "+evalsha +script|load +scan +wait +ping +info +select +hello "
+              "+evalsha +script|load +scan +wait +time +ping +info +select +hello "
               "+cluster|slots +cluster|shards +cluster|nodes -@dangerous")
 TRAINER_ACL = ("r3-trainer on >trainer-pw ~r3:* resetchannels -@all +@read "
                "+evalsha +script|load +ping +info +select +hello "

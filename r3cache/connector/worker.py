@@ -21,7 +21,7 @@ from r3cache.errors import (
     MetadataError,
 )
 from r3cache.layout import RoutingLayout
-from r3cache.manifest import BlockRef, Manifest
+from r3cache.manifest import BlockRef, Manifest, check_request_id
 from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore
 from r3cache.store.memory import MemoryBlockStore
@@ -84,8 +84,16 @@ class PendingOutput:
             self.routed_experts = self.host_copy.result()
 
 
+def _integers(values: Any, name: str) -> np.ndarray:
+    """``values`` as a flat int64 array; anything but integers is refused, not truncated."""
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        raise InvalidBatchError(f"{name} must hold integers, got {array.dtype}")
+    return array.astype(np.int64).reshape(-1)
+
+
 def _counts(values: Any, n: int, name: str) -> np.ndarray:
-    array = np.array(values, dtype=np.int64, copy=True).reshape(-1)
+    array = _integers(values, name)
     if len(array) != n:
         raise InvalidBatchError(f"{name} has {len(array)} entries for {n} requests")
     return array
@@ -204,6 +212,8 @@ class WorkerConnector:
         # Every request and key is checked before anything changes.
         known = metadata.requests.keys() | (
             () if metadata.generation > self._generation else table.slot_of.keys())
+        for req_id in metadata.requests:
+            check_request_id(req_id)
         unknown = [r for r in (*metadata.block_hashes, *finished) if r not in known]
         if unknown:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
@@ -330,8 +340,8 @@ class WorkerConnector:
         """Take one executed step's rows; call enqueue_cpu_copy, then process_output."""
         req_ids = list(batch.req_ids)
         n = len(req_ids)
-        qsl = np.array(batch.query_start_loc, dtype=np.int64).reshape(-1)
-        starts = np.array(batch.num_computed_tokens, dtype=np.int64).reshape(-1)
+        qsl = _integers(batch.query_start_loc, "query_start_loc")
+        starts = _integers(batch.num_computed_tokens, "num_computed_tokens")
         if len(qsl) < n + 1 or len(starts) < n:
             raise InvalidBatchError(
                 f"{n} requests need {n + 1} query_start_loc and {n} num_computed_tokens "
@@ -421,6 +431,11 @@ class WorkerConnector:
                 f"request {pending.req_ids[i]!r}: {int(rejected[i])} rejected of "
                 f"{int(counts[i])} tokens"
             )
+        # Checked before anything changes: rows no router could have picked would be
+        # stored, shared and replayed.
+        problem = self.layout.id_problem(pending.routed_experts[: int(qsl[-1])])
+        if problem:
+            raise InvalidBatchError(f"routed_experts of this step: {problem}")
         valid = counts - rejected
         token_starts = pending.token_starts
         cursor = table.capture[slots]

@@ -10,11 +10,11 @@ from r3cache.layout import RoutingLayout
 from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore, StoreStats
 from r3cache.store.memory import MemoryBlockStore
+from r3cache.store.redis_keys import REDIS_SCHEMES
 
 __all__ = ["BackgroundBlockStore", "BlockStore", "MemoryBlockStore", "StoreStats", "open_store"]
 
 _INT_OPTIONS = {"max_bytes"}
-REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 def open_store(
@@ -38,7 +38,11 @@ def open_store(
             raise ContractError("memory:// needs a layout")
         merged: dict[str, Any] = {**dict(parse_qsl(parts.query)), **options}
         for name in _INT_OPTIONS & merged.keys():
-            merged[name] = int(float(merged[name]))
+            try:
+                merged[name] = int(float(merged[name]))
+            except (TypeError, ValueError):
+                raise ContractError(f"store option {name} must be a number, not "
+                                    f"{merged[name]!r}") from None
         return MemoryBlockStore(layout, namespace, **merged)
     if parts.scheme in REDIS_SCHEMES:
         from r3cache.store.redis_connect import open_redis_store

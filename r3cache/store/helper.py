@@ -4,6 +4,7 @@ A module of its own, which the package never imports, so that running it as
 ``__main__`` does not load a second copy of ``r3cache.store.process``.
 """
 
+import os
 import sys
 from multiprocessing.connection import Connection
 
@@ -11,3 +12,8 @@ from r3cache.store.process import _serve
 
 if __name__ == "__main__":
     _serve(Connection(int(sys.argv[1])))
+    # Everything the helper owed is done (holds dropped, replies sent): skip the
+    # interpreter's teardown, which the engine's close() would otherwise wait for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -44,7 +44,8 @@ def scan_keys(store, pattern: bytes) -> list[bytes]:
 def _sweep(store, candidates=()) -> tuple[list[str], list[str]]:
     owners = store.keys.owners
     grace = int(store.options.lease_ttl * 1000)
-    dead, live = store.call(owners, *SWEEP_SCRIPT.command(owners, grace, *candidates))
+    dead, live = store.call(owners, *SWEEP_SCRIPT.command(owners, grace, int(time.time() * 1000),
+                                                          *candidates))
     return [o.decode() for o in dead], [o.decode() for o in live]
 
 

@@ -70,9 +70,14 @@ class MemoryBlockStore:
                     # Immutable: the first writer wins; the caller reads its own rows.
                     self._conflicts += 1
             for manifest in manifests:
-                self._manifests[manifest.request_id] = manifest
                 for key in manifest.block_keys:
                     self._retain(key)
+                # A reused request id replaces its manifest, and the old one's holds go.
+                replaced = self._manifests.pop(manifest.request_id, None)
+                if replaced is not None:
+                    for key in reversed(replaced.block_keys):
+                        self._release(key)
+                self._manifests[manifest.request_id] = manifest
             last = [key for key in release_keys if self._release(key)]
         return first, last
 

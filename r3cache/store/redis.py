@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import secrets
@@ -76,6 +77,17 @@ class RedisOptions:
     wait_replicas: int = 0  # durability: a write is acknowledged once this many replicas have it
     wait_timeout: float = 2.0
     codec: str = "lz4"  # a namespace's block encoding: "lz4" (memory) or "raw" (read speed)
+
+    def __post_init__(self) -> None:
+        for name in ("idle_ttl", "lease_ttl", "manifest_ttl", "wait_timeout"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ContractError(f"{name} must be a positive number of seconds, not {value}")
+        if self.lease_ttl < 0.3:
+            raise ContractError(f"lease_ttl must be at least 0.3 s, not {self.lease_ttl}")
+        for name in ("retries", "wait_replicas"):
+            if getattr(self, name) < 0:
+                raise ContractError(f"{name} must be >= 0, not {getattr(self, name)}")
 
 
 def missing_namespace(source, display: str, keys: KeySchema | None = None
@@ -602,7 +614,7 @@ class _Lease:
     def _register(self, mode: str) -> int:
         store = self._store
         return int(store.call(self._key, *REGISTER_SCRIPT.command(
-            self._key, store.owner, self._ttl_ms, self._info, mode)))
+            self._key, store.owner, self._ttl_ms, self._info, mode, int(time.time() * 1000))))
 
     def beat(self) -> None:
         if self._register("beat") == -1:

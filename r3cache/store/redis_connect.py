@@ -16,7 +16,7 @@ from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
 from r3cache.store.redis import RedisBlockStore, RedisOptions, missing_namespace
 from r3cache.store.redis_errors import redis_errors
-from r3cache.store.redis_keys import KeySchema, check_name
+from r3cache.store.redis_keys import REDIS_SCHEMES, KeySchema, check_name
 from r3cache.store.redis_nodes import ClusterNodes, SingleNode
 
 
@@ -36,23 +36,44 @@ _CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def _split_options(query: dict[str, str], options: dict[str, Any]):
+def _parsed(key: str, parse: Callable[[Any], Any], value: Any) -> Any:
+    try:
+        return parse(value)
+    except (TypeError, ValueError):
+        shown = "(hidden)" if key == "password" else repr(value)
+        raise ContractError(f"Redis store option {key} has an invalid value {shown}") from None
+
+
+def _split_options(query: dict[str, str], options: dict[str, Any], tls: bool):
     """(r3cache's options, redis-py client options); unknown names are an error."""
     merged = {**query, **options}
     ours: dict[str, Any] = {}
     client: dict[str, Any] = {}
     for key, value in merged.items():
         if key in _STORE_OPTIONS:
-            ours[key] = _STORE_OPTIONS[key](value)
+            ours[key] = _parsed(key, _STORE_OPTIONS[key], value)
         elif key in _CLIENT_OPTIONS:
-            client["max_connections" if key == "pool_size" else key] = _CLIENT_OPTIONS[key](value)
+            client["max_connections" if key == "pool_size" else key] = _parsed(
+                key, _CLIENT_OPTIONS[key], value)
         elif key in URL_QUERY_ARGUMENT_PARSERS:
-            client[key] = URL_QUERY_ARGUMENT_PARSERS[key](value)
+            client[key] = _parsed(key, URL_QUERY_ARGUMENT_PARSERS[key], value)
         elif key.startswith("ssl_"):
+            if not tls:
+                raise ContractError(f"Redis store option {key} needs a TLS URL (rediss:// "
+                                    "or rediss+cluster://)")
             client[key] = value
         else:
             raise ContractError(f"unknown Redis store option {key!r}")
     return RedisOptions(**ours), client
+
+
+def _host_port(host: str) -> tuple[str, int]:
+    """One ``host:port`` of a URL; a bad port names neither (it may hold a secret)."""
+    name, _, port = host.rpartition(":") if ":" in host else (host, "", "")
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ContractError("the store URL has an invalid port (characters such as '#', '?', "
+                            "'/' or '@' in a password must be percent-encoded)")
+    return name or "127.0.0.1", int(port or 6379)
 
 
 def _display(parts) -> str:
@@ -63,8 +84,17 @@ def _display(parts) -> str:
 
 def connect(url: str, namespace: str, options: dict[str, Any]):
     """Clients for ``url``: (nodes, r3cache's options, the URL without credentials)."""
+    if not isinstance(url, str):
+        raise ContractError(f"a store URL must be a str, not {type(url).__name__}")
     parts = urlsplit(url)
-    store_options, client_options = _split_options(dict(parse_qsl(parts.query)), options)
+    if parts.scheme not in REDIS_SCHEMES:
+        raise ContractError(f"unsupported Redis URL scheme {parts.scheme!r}; use one of "
+                            + ", ".join(f"{s}://" for s in REDIS_SCHEMES))
+    if parts.scheme != "unix":
+        for host in parts.netloc.rpartition("@")[2].split(","):
+            _host_port(host)
+    store_options, client_options = _split_options(dict(parse_qsl(parts.query)), options,
+                                                   tls=parts.scheme.startswith("rediss"))
     retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), store_options.retries)
     client_options.setdefault("socket_timeout", 10.0)
     client_options.setdefault("socket_connect_timeout", 5.0)
@@ -78,10 +108,7 @@ def connect(url: str, namespace: str, options: dict[str, Any]):
         user, _, password = userinfo.partition(":")
         client_options.setdefault("username", unquote(user) or None)
         client_options.setdefault("password", unquote(password) or None)
-    startup = []
-    for host in hosts.split(","):
-        name, _, port = host.rpartition(":")
-        startup.append(ClusterNode(name or "127.0.0.1", int(port or 6379)))
+    startup = [ClusterNode(*_host_port(host)) for host in hosts.split(",")]
     if parts.scheme.startswith("rediss"):
         client_options["ssl"] = True
     client_options.pop("db", None)  # a cluster has only database 0

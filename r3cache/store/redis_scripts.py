@@ -73,10 +73,12 @@ return dropped
 # The owners registry: one hash without a TTL, owner -> "<expiry ms> <info>", the expiry
 # read from the server's clock. No TTL, so volatile-* eviction cannot take a live owner's
 # lease; the scripts allow OOM, so a full Redis cannot refuse a heartbeat. An expiry of 0
-# marks an owner the janitor is reclaiming.
+# marks an owner the janitor is reclaiming. Where the ACL user may not run TIME, the
+# caller's clock (passed in) stands in for the server's.
 _NOW = """
-local function now_ms()
-  local t = redis.call('TIME')
+local function now_ms(fallback)
+  local t = redis.pcall('TIME')
+  if t['err'] then return tonumber(fallback) end
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function expiry(entry)
@@ -87,7 +89,7 @@ local function info(entry)
 end
 """
 
-# ARGV: owners key, owner, ttl_ms, info, mode ("open" or "beat").
+# ARGV: owners key, owner, ttl_ms, info, mode ("open" or "beat"), the caller's clock (ms).
 # open: registers the owner; returns 2 if an entry of that name was there (an earlier
 # incarnation: its holds must be dropped), else 1.
 # beat: extends a live entry (returns 1); leaves an entry being reclaimed alone
@@ -101,20 +103,21 @@ if mode == 'beat' and old then
   if expiry(old) == 0 then return 0 end
   text = info(old)
 end
-redis.call('HSET', key, owner, (now_ms() + ttl) .. ' ' .. text)
+redis.call('HSET', key, owner, (now_ms(ARGV[6]) + ttl) .. ' ' .. text)
 if mode == 'beat' then
   if old then return 1 else return -1 end
 end
 if old then return 2 else return 1 end
 """
 
-# ARGV: owners key, grace_ms, then holders found in reference hashes. A holder with no
+# ARGV: owners key, grace_ms, the caller's clock (ms), then holders found in reference
+# hashes. A holder with no
 # entry gets one that expires after grace_ms (a live owner's next heartbeat keeps it);
 # entries past their expiry are marked as being reclaimed. Returns {dead, live} names.
 SWEEP = _HOLDS_SHEBANG + _NOW + """
 local key, grace = ARGV[1], tonumber(ARGV[2])
-local now = now_ms()
-for i = 3, #ARGV do
+local now = now_ms(ARGV[3])
+for i = 4, #ARGV do
   redis.call('HSETNX', key, ARGV[i], (now + grace) .. ' unregistered holder found by the janitor')
 end
 local entries = redis.call('HGETALL', key)
