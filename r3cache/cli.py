@@ -171,9 +171,13 @@ def _run_gc(args: argparse.Namespace) -> int:
         print(f"{namespace}: {len(report.live_owners)} live owner(s), "
               f"{len(report.dead_owners)} dead owner(s) reclaimed, "
               f"{report.holds_dropped} hold(s) dropped, "
-              f"{report.manifests_expired} expired manifest(s) released")
+              f"{report.manifests_expired} expired manifest(s) released"
+              + (f" ({len(report.unreadable_manifests)} unreadable)"
+                 if report.unreadable_manifests else ""))
         for owner in report.dead_owners:
             print(f"  reclaimed {owner}")
+        for owner in report.unregistered_holders:
+            print(f"  unregistered holder {owner} (reclaimed after one lease unless it beats)")
     return 0
 
 
@@ -290,6 +294,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         try:
             stats = store.stats()
             owners = owner_liveness(store)
+            unreadable = store.client_for(store.keys.unreadable).hkeys(store.keys.unreadable)
         finally:
             store.close()
         live = sorted(o for o, alive in owners.items() if alive)
@@ -299,6 +304,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
               f"{stats.blocks - stats.pinned_blocks} idle)")
         print(f"  bytes      {stats.bytes_used:,} stored for {stats.raw_bytes_used:,} raw")
         print(f"  manifests  {stats.manifests}")
+        if unreadable:
+            shown = ", ".join(r.decode(errors="replace") for r in unreadable[:5])
+            print(f"  unreadable manifests {len(unreadable)} (released by the janitor: "
+                  f"{shown})")
         print(f"  owners     {len(live)} live{': ' + ', '.join(live) if live else ''}; "
               f"{len(dead)} dead{': ' + ', '.join(dead) if dead else ''}")
     return 0
@@ -407,8 +416,15 @@ def _run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (and exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="r3cache",
         description="Routed experts of MoE models, from inference to training (R3).",
     )

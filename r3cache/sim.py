@@ -101,10 +101,12 @@ class OracleRoutes:
         return rows
 
     def run(self, chunks: list[Chunk], qsl: np.ndarray, padding: int) -> np.ndarray:
-        # Rows nobody is owed (rejected drafts, padding) are noise, as on a real GPU.
-        rows = self.rng.integers(0, self.layout.num_experts,
-                                 (int(qsl[-1]) + padding, *self.layout.row_shape))
-        rows = rows.astype(self.layout.dtype)
+        # Rows nobody is owed (rejected drafts, padding) are noise: routes a router could
+        # have picked (distinct experts), as the target model computes for draft tokens.
+        layout = self.layout
+        first = self.rng.integers(0, layout.num_experts,
+                                  (int(qsl[-1]) + padding, layout.num_layers, 1))
+        rows = ((first + np.arange(layout.topk)) % layout.num_experts).astype(layout.dtype)
         for chunk, row in zip(chunks, qsl[:-1].tolist()):
             real = max(0, min(chunk.keep, len(chunk.tokens) - chunk.start))
             rows[row : row + real] = self._rows[chunk.req_id][chunk.start : chunk.start + real]

@@ -527,15 +527,16 @@ class RedisBlockStore:
     def primaries(self) -> list[redis.Redis]:
         return self._nodes.primaries()
 
-    def restore(self) -> None:
-        """After Redis lost this owner's state: the namespace metadata, then every hold."""
+    def restore(self, holds: bool) -> None:
+        """After Redis lost state: the namespace metadata and, with ``holds``, every hold
+        this owner has."""
         with redis_errors(self.namespace, "restoring holds"), self._hold_lock:
             if not self.call(self.keys.meta, "EXISTS", self.keys.meta):
                 self._counts["metadata_restored"] += 1
                 log.warning("namespace %r: its metadata was gone (Redis restarted without "
                             "persistence?); written again", self.namespace)
                 self._open_namespace()
-            holds = list(self._holds.elements())
+            holds = list(self._holds.elements()) if holds else []
             if holds:
                 self._round({}, holds, (), track=False)
 
@@ -553,13 +554,13 @@ class RedisBlockStore:
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         meta = self.keys.meta
-        client = self.client_for(meta)
         # Read-only handles (trainers, admins) of an existing namespace write nothing, so
         # they open under OOM and with read-only credentials.
-        reply = None if self.options.lease else client.execute_command("HGETALL", meta)
+        reply = None if self.options.lease else self.call(meta, "HGETALL", meta)
         if not reply:
             args = [meta, *(str(x) for kv in fields.items() for x in kv)]
-            reply = client.execute_command(*OPEN_NAMESPACE_SCRIPT.command(*args))
+            # Through call(): after a restart the script cache is empty (NOSCRIPT).
+            reply = self.call(meta, *OPEN_NAMESPACE_SCRIPT.command(*args))
             self.client_for(NAMESPACES_KEY).sadd(NAMESPACES_KEY, self.namespace)
         stored = {k.decode(): v.decode() for k, v in _pairs(reply).items()}
         # A read-only handle writes no block: it decodes whatever each header says.
@@ -617,12 +618,15 @@ class _Lease:
             self._key, store.owner, self._ttl_ms, self._info, mode, int(time.time() * 1000))))
 
     def beat(self) -> None:
+        store = self._store
         if self._register("beat") == -1:
             self.renewals += 1
             log.warning("namespace %r: owner %r found its lease gone (reclaimed after a "
                         "stall, or Redis lost its data); registered again and re-applying "
-                        "its holds", self._store.namespace, self._store.owner)
-            self._store.restore()
+                        "its holds", store.namespace, store.owner)
+            store.restore(holds=True)
+        elif not store.call(store.keys.meta, "EXISTS", store.keys.meta):
+            store.restore(holds=False)
 
     def _run(self) -> None:
         while not self._stop.wait(self._ttl_ms / 3000):

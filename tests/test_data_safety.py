@@ -1,0 +1,604 @@
+"""Fidelity and data safety on real redis-server processes: one test per defect class.
+
+Rows a request receives are its own; another writer's rows are never served as ours;
+live owners keep their holds under eviction, OOM and restarts, and every hold can be
+reclaimed; every engine-side wait is bounded; bad input is refused before any effect.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from r3cache import R3Reader, RoutingLayout, StepBatch, StepMetadata, WorkerConnector, open_store
+from r3cache.errors import (
+    ContractError,
+    InvalidBatchError,
+    LayoutError,
+    StoreFullError,
+    StoreUnavailableError,
+)
+from r3cache.manifest import BlockRef, Completion, Manifest
+from r3cache.sim import oracle_rows
+from r3cache.store.janitor import holders, reclaim_dead_owners
+from r3cache.testing import RedisServer
+
+LAYOUT = RoutingLayout(num_layers=3, topk=2, num_experts=16, block_size=4)
+WIDE = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)  # 6 KiB blocks
+
+
+def blk(seed: int, layout: RoutingLayout = LAYOUT) -> np.ndarray:
+    """A valid block: distinct experts in every (token, layer), varying with ``seed``."""
+    rng = np.random.default_rng(seed)
+    rows = np.argsort(rng.random((layout.block_size, layout.num_layers, layout.num_experts)),
+                      axis=-1)[..., : layout.topk]
+    return rows.astype(layout.dtype)
+
+
+def pttl(store, key: str) -> int:
+    block = store.keys.block(key)
+    return store.client_for(block).pttl(block)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# -- 1. rows are the request's own ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_outputs_do_not_alias_the_callers_buffer(request, backend, namespace, reliability):
+    url = "memory://" if backend == "memory" else request.getfixturevalue("redis_url")
+    store = open_store(url, layout=LAYOUT, namespace=namespace)
+    worker = WorkerConnector(layout=LAYOUT, store=store, max_num_seqs=4)
+    tokens = list(range(30))
+    rows = oracle_rows(tokens, LAYOUT)
+    buffer = np.zeros((64, *LAYOUT.row_shape), LAYOUT.dtype)  # the engine's reused buffer
+    try:
+        worker.begin_step(StepMetadata(0, {"r": 0}, {}, ()))
+        buffer[:10] = rows[:10]
+        pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 10])),
+                                        routed_experts=buffer)
+        buffer[:] = 0xEE  # the next forward overwrites the buffer before the output is read
+        pending.enqueue_cpu_copy([1], [0])
+        first = worker.process_output(pending)["r"]
+        buffer[:] = 0xEE  # ... and again after it was returned
+        np.testing.assert_array_equal(first.rows, rows[:10])
+        assert not np.shares_memory(first.rows, buffer)
+        reliability(f"the engine overwrites its routed-experts buffer ({backend})",
+                    "one request, 10 rows", "delivered rows are the connector's copy",
+                    "rows equal the oracle after the buffer was filled with 0xEE twice")
+    finally:
+        worker.close()
+
+
+# -- 2. another replica's rows are never served ---------------------------------------
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_conflicting_replica_never_gets_the_other_rows(redis_url, namespace, writer,
+                                                         reliability):
+    first = open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="replica-a")
+    first.put({"k": blk(1)}, retain_keys=["k"])
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="replica-b")
+    worker = WorkerConnector(layout=LAYOUT, store=store, writer=writer)
+    tiered = worker.store
+    try:
+        tiered.put({"k": blk(2)}, retain_keys=["k"])
+        tiered.flush()
+        tiered.clear_local()  # the in-process tier evicted it
+        np.testing.assert_array_equal(tiered.get_concatenated(["k"]), blk(2))
+        assert tiered.remote_reads == 1
+        # The first writer and a fresh reader still see the first writer's rows.
+        np.testing.assert_array_equal(first.get_concatenated(["k"]), blk(1))
+        tiered.put({}, release_keys=["k"])
+        reliability(f"two replicas write different rows under one key ({writer} writer)",
+                    "second writer's prefix hit after its local tier dropped the block",
+                    "each writer reads its own rows", "second writer read its rows from "
+                    "Redis (its variant key); first writer's rows unchanged")
+    finally:
+        worker.close()
+        first.put({}, release_keys=["k"])
+        first.close()
+
+
+def test_own_rows_win_past_any_count_of_conflicts(redis_url, namespace, reliability):
+    n = 5000  # more than the 4096 an in-process cache of own rows used to keep
+    keys = [f"c{i}" for i in range(n)]
+    a, b = blk(1), blk(2)
+    first = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    second = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    try:
+        first.put({k: a for k in keys})
+        second.put({k: b for k in keys}, retain_keys=keys)
+        assert second.stats().conflicts == n
+        rows = second.get_concatenated(keys).reshape(n, *LAYOUT.block_shape)
+        assert (rows == b).all()
+        manifest = Manifest("req", LAYOUT.fingerprint, Completion(0, 2 * 4 + 1),
+                            [BlockRef(keys[0], 0, 4), BlockRef(keys[-1], 0, 4)])
+        second.put({}, manifests=[manifest], release_keys=keys)
+        with R3Reader(redis_url, namespace=namespace) as reader:
+            np.testing.assert_array_equal(reader.get("req"), np.concatenate([b, b]))
+            assert reader.release("req") == 1
+        reliability("5000 keys written first by another replica with different rows",
+                    "one batch", "every read and the manifest give this writer's rows",
+                    f"{n}/{n} blocks and the manifest's 8 rows are this writer's")
+    finally:
+        first.close()
+        second.close()
+
+
+# -- 3. live owners keep their holds under eviction and OOM -----------------------------
+
+
+@pytest.mark.parametrize("policy", ["volatile-lru", "volatile-ttl"])
+def test_a_live_owner_survives_eviction(policy, reliability):
+    with RedisServer("--maxmemory", "4mb", "--maxmemory-policy", policy) as server:
+        owner = open_store(server.url, layout=WIDE, namespace="evict")
+        pinned = [f"p{i}" for i in range(40)]
+        owner.put({k: blk(i, WIDE) for i, k in enumerate(pinned)}, retain_keys=pinned)
+        writer = open_store(server.url, layout=WIDE, namespace="evict", idle_ttl=600)
+        for at in range(0, 1500, 100):  # idle blocks with TTLs: volatile-lru evicts
+            writer.put({f"i{at + i}": blk(i, WIDE) for i in range(100)})
+        evicted = server.client().info("stats")["evicted_keys"]
+        assert evicted > 0
+        report = reclaim_dead_owners(writer)
+        assert owner.owner in report.live_owners and report.holds_dropped == 0
+        got = owner.get_concatenated(pinned).reshape(len(pinned), *WIDE.block_shape)
+        assert all((got[i] == blk(i, WIDE)).all() for i in range(len(pinned)))
+        owner.close()
+        writer.close()
+        reliability(f"maxmemory 4 MB, {policy}, 1500 idle 6 KiB blocks written",
+                    "a live owner (30 s lease) holding 40 blocks",
+                    "the janitor finds it live; its blocks read back",
+                    f"{evicted} keys evicted, 0 holds dropped, 40/40 blocks intact")
+
+
+def test_a_heartbeat_goes_through_when_redis_is_out_of_memory(reliability):
+    with RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
+        owner = open_store(server.url, layout=WIDE, namespace="oom", lease_ttl=1)
+        with pytest.raises(StoreFullError):
+            for at in range(0, 2000, 50):
+                keys = [f"p{at + i}" for i in range(50)]
+                owner.put({k: blk(i, WIDE) for i, k in enumerate(keys)}, retain_keys=keys)
+        server.client().config_set("maxmemory", "100kb")  # far over: every write refused
+        time.sleep(1.5)
+        janitor = open_store(server.url, layout=WIDE, namespace="oom", lease=False,
+                             janitor=False)
+        report = reclaim_dead_owners(janitor)
+        assert owner.owner in report.live_owners and report.dead_owners == ()
+        janitor.close()
+        owner.close()
+        reliability("Redis out of memory (noeviction) under pinned blocks",
+                    "an owner with a 1 s lease", "heartbeats are accepted under OOM; the "
+                    "janitor finds the owner live", "0 owners reclaimed after 1.5 s")
+
+
+# -- 4. every hold can be reclaimed ----------------------------------------------------
+
+OWNER_PROCESS = """
+import sys, time
+import numpy as np
+from r3cache import RoutingLayout, open_store
+layout = RoutingLayout(3, 2, 16, 4)
+store = open_store(sys.argv[1], layout=layout, namespace=sys.argv[2], owner=sys.argv[3],
+                   lease_ttl=float(sys.argv[4]))
+rows = np.zeros(layout.block_shape, np.uint8)
+rows[:, :, 1] = 1
+store.put({"h1": rows, "h2": rows}, retain_keys=["h1", "h2"])
+print(store.owner, flush=True)
+time.sleep(600)
+"""
+
+
+def _owner_process(url: str, namespace: str, owner: str, lease: float = 1.0):
+    process = subprocess.Popen([sys.executable, "-c", OWNER_PROCESS, url, namespace, owner,
+                                str(lease)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == owner
+    return process
+
+
+def _holders_of(store, key: str) -> set[str]:
+    refs = store.keys.refs(key)
+    return {h.decode() for h in store.client_for(refs).hkeys(refs)}
+
+
+def test_an_owner_reclaimed_while_stalled_registers_again_and_is_reclaimed_after_its_crash(
+        redis_url, namespace, reliability):
+    probe = open_store(redis_url, layout=LAYOUT, namespace=namespace, lease=False,
+                       janitor=False)
+    process = _owner_process(redis_url, namespace, "stalled")
+    try:
+        process.send_signal(signal.SIGSTOP)
+        time.sleep(1.5)
+        report = reclaim_dead_owners(probe)
+        assert report.dead_owners == ("stalled",) and report.holds_dropped == 2
+        process.send_signal(signal.SIGCONT)
+        # Its next heartbeat finds it was reclaimed: it registers again and re-holds.
+        wait_for(lambda: _holders_of(probe, "h1") == {"stalled"}, 5, "the holds to return")
+        assert pttl(probe, "h1") == -1
+        assert "stalled" in reclaim_dead_owners(probe).live_owners
+        process.kill()
+        process.wait()
+        time.sleep(1.5)
+        report = reclaim_dead_owners(probe)
+        assert report.dead_owners == ("stalled",) and report.holds_dropped == 2
+        assert pttl(probe, "h1") > 0 and pttl(probe, "h2") > 0
+        reliability("an owner stalled past its lease (SIGSTOP), reclaimed, resumed, then "
+                    "killed", "2 held blocks", "it re-registers and re-holds on resume; "
+                    "after its crash the janitor reclaims it",
+                    "2 holds dropped twice; blocks end with the idle TTL")
+    finally:
+        process.kill()
+        probe.close()
+
+
+def test_a_fixed_owner_name_reused_after_a_crash_drops_the_crashed_runs_holds(
+        redis_url, namespace, reliability):
+    process = _owner_process(redis_url, namespace, "engine-0", lease=30)
+    process.kill()
+    process.wait()
+    restarted = open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="engine-0")
+    try:
+        assert _holders_of(restarted, "h1") == set() and pttl(restarted, "h1") > 0
+        reliability("an engine with owner='engine-0' killed and restarted at once "
+                    "(its 30 s lease still running)", "2 held blocks",
+                    "the new incarnation drops the crashed one's holds when it registers",
+                    "0 holds left; blocks got the idle TTL")
+    finally:
+        restarted.close()
+
+
+def test_holds_written_after_a_restart_without_persistence_stay_reclaimable(reliability):
+    with RedisServer() as server:
+        process = _owner_process(server.url, "restart", "engine-r")
+        port = server.port
+        server.kill()
+        server.port = port
+        server.start()  # empty: no persistence
+        probe_client = server.client()
+        # The owner's heartbeat finds its entry gone: registers, writes the metadata back,
+        # and holds what it held.
+        wait_for(lambda: probe_client.hexists("r3:restart:owners", "engine-r")
+                 and probe_client.exists("r3:restart:meta")
+                 and probe_client.hexists("r3:restart:r:{h1}", "engine-r"), 5,
+                 "the owner to restore its state")
+        probe = open_store(server.url, layout=None, namespace="restart", lease=False,
+                           janitor=False)
+        process.kill()
+        process.wait()
+        time.sleep(1.5)
+        report = reclaim_dead_owners(probe)
+        assert report.dead_owners == ("engine-r",) and report.holds_dropped == 2
+        assert _holders_of(probe, "h1") == set()
+        probe.close()
+        reliability("Redis restarted without persistence under a live owner, which then "
+                    "crashes", "2 held keys", "the owner re-registers, restores the "
+                    "namespace metadata and its holds; after its crash they are reclaimed",
+                    "metadata back within one heartbeat; 2 holds dropped by the janitor")
+
+
+def test_holders_unknown_to_the_registry_are_reclaimed_after_a_grace_lease(
+        redis_url, namespace, reliability):
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace, lease_ttl=1,
+                       janitor=False)
+    client = store.client_for(store.keys.refs("x"))
+    client.hset(store.keys.refs("x"), "ghost", 1)  # a holder no registry entry knows
+    client.set(store.keys.block("x"), b"placeholder")
+    try:
+        report = reclaim_dead_owners(store)
+        assert report.unregistered_holders == ("ghost",) and report.holds_dropped == 0
+        time.sleep(1.2)
+        report = reclaim_dead_owners(store)
+        assert "ghost" in report.dead_owners and report.holds_dropped == 1
+        assert pttl(store, "x") > 0
+        reliability("a hold by an owner the registry does not know (registry lost)",
+                    "1 hold", "registered with one lease of grace, then reclaimed",
+                    "dropped by the second janitor pass 1.2 s later")
+    finally:
+        store.close()
+
+
+# -- 5. a reused request id replaces its manifest --------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis", "cluster"])
+def test_a_reused_request_id_replaces_its_manifest_and_its_holds(request, backend, namespace,
+                                                                 reliability):
+    url = {"memory": lambda: "memory://", "redis": lambda: request.getfixturevalue("redis_url"),
+           "cluster": lambda: request.getfixturevalue("cluster_url")}[backend]()
+    store = open_store(url, layout=LAYOUT, namespace=namespace)
+    try:
+        store.put({"a": blk(1), "b": blk(2)})
+        old = Manifest("same", LAYOUT.fingerprint, Completion(0, 5), [BlockRef("a", 0, 4)])
+        new = Manifest("same", LAYOUT.fingerprint, Completion(0, 5), [BlockRef("b", 0, 4)])
+        store.put({}, manifests=[old])
+        store.put({}, manifests=[new])
+        (got,) = store.get_manifests(["same"])
+        assert got.block_keys == ["b"]
+        assert store.release_manifests(["same"]) == 1
+        if backend == "memory":
+            assert store.refcount("a") == store.refcount("b") == 0
+        else:
+            assert "m:same" not in holders(store)
+            assert pttl(store, "a") > 0 and pttl(store, "b") > 0
+        reliability(f"a request id recorded twice ({backend})", "two manifests",
+                    "the second replaces the first; release leaves no hold",
+                    "0 manifest holds left after release")
+    finally:
+        store.close()
+
+
+# -- 6. unreadable manifests do not stop the namespace ---------------------------------
+
+
+def test_an_unreadable_expired_manifest_is_released_without_failing_any_open(
+        redis_url, namespace, reliability):
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace, manifest_ttl=0.3)
+    store.put({"a": blk(1)})
+    for request_id in ("bad", "good"):
+        store.put({}, manifests=[Manifest(request_id, LAYOUT.fingerprint, Completion(0, 5),
+                                          [BlockRef("a", 0, 4)])])
+    bad = store.keys.manifest("bad")
+    store.client_for(bad).hset(bad, "segments", "not a segment list")
+    time.sleep(0.5)
+    try:
+        engine = open_store(redis_url, layout=LAYOUT, namespace=namespace)  # janitor runs
+        engine.close()
+        assert holders(store) == {}
+        unreadable = store.client_for(store.keys.unreadable).hkeys(store.keys.unreadable)
+        assert unreadable == [b"bad"]
+        out = subprocess.run([sys.executable, "-m", "r3cache.cli", "inspect", redis_url,
+                              "--namespace", namespace], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and "unreadable manifests 1" in out.stdout
+        reliability("an expired manifest whose fields were damaged", "2 expired manifests",
+                    "store opens; both released, the damaged one recorded as unreadable",
+                    "0 holds left; inspect reports 1 unreadable manifest")
+    finally:
+        store.close()
+
+
+def test_a_block_hash_that_cannot_be_a_key_is_refused_before_anything_changes():
+    store = open_store("memory://", layout=LAYOUT, namespace="hashes")
+    worker = WorkerConnector(layout=LAYOUT, store=store)
+    try:
+        for bad in ("has space", "brace{", "tilde~", "", 1.5, None, object()):
+            with pytest.raises(InvalidBatchError):
+                worker.begin_step(StepMetadata(0, {"r": 0}, {"r": [bad]}, ()))
+            assert worker.num_requests == 0
+    finally:
+        worker.close()
+
+
+# -- 7. readers and admins open under OOM -----------------------------------------------
+
+
+def test_readers_inspect_and_gc_work_when_redis_is_full(reliability):
+    with RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
+        store = open_store(server.url, layout=WIDE, namespace="full")
+        rows = np.concatenate([blk(i, WIDE) for i in range(2)])[:20]
+        manifest = Manifest("req", WIDE.fingerprint, Completion(0, 21),
+                            [BlockRef("p0", 0, 16), rows[16:20]])
+        store.put({"p0": blk(0, WIDE)}, manifests=[manifest])
+        with pytest.raises(StoreFullError):
+            for at in range(0, 2000, 50):
+                keys = [f"p{at + i + 1}" for i in range(50)]
+                store.put({k: blk(i, WIDE) for i, k in enumerate(keys)}, retain_keys=keys)
+        with R3Reader(server.url, namespace="full") as reader:
+            assert reader.get("req").shape == (20, 48, 8)
+            assert reader.release("req") == 1
+        for command in ("inspect", "gc"):
+            out = subprocess.run([sys.executable, "-m", "r3cache.cli", command, server.url,
+                                  "--namespace", "full"], capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0, out.stderr
+        store.close()
+        reliability("Redis full of pinned blocks (noeviction)", "a trainer and an admin",
+                    "R3Reader opens, reads and releases; inspect and gc exit 0",
+                    "read 20 rows, 1 manifest released")
+
+
+# -- 8. the namespace metadata comes back after a restart without persistence ----------
+
+
+def test_a_reader_names_the_cause_when_the_metadata_is_gone(redis_url, namespace):
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    store.put({"a": blk(1)}, manifests=[Manifest("r", LAYOUT.fingerprint, Completion(0, 5),
+                                                 [BlockRef("a", 0, 4)])])
+    store.client_for(store.keys.meta).delete(store.keys.meta)
+    try:
+        with pytest.raises(ContractError, match="restarted without persistence"):
+            R3Reader(redis_url, namespace=namespace)
+        store._lease.beat()  # the next heartbeat writes it again
+        with R3Reader(redis_url, namespace=namespace) as reader:
+            assert reader.get("r").shape == (4, 3, 2)
+            reader.release("r")
+    finally:
+        store.close()
+
+
+# -- 9 and 10. bounded waits, quick close ----------------------------------------------
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_prefix_hit_on_a_stalled_redis_fails_within_store_wait(writer, reliability):
+    with RedisServer("--enable-debug-command", "yes") as server:
+        store = open_store(server.url, layout=LAYOUT, namespace="stall")
+        worker = WorkerConnector(layout=LAYOUT, store=store, writer=writer, store_wait=0.5)
+        tiered = worker.store
+        tiered.put({"k": blk(1)}, retain_keys=["k"])
+        tiered.flush()
+        tiered.clear_local()
+        stall = threading.Thread(target=lambda: server.client().execute_command(
+            "DEBUG", "SLEEP", "3"))
+        stall.start()
+        time.sleep(0.1)
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailableError):
+            tiered.get_concatenated(["k"])
+        waited = time.monotonic() - began
+        assert waited < 1.0
+        stall.join()
+        worker.close()
+        reliability(f"Redis sleeps 3 s (DEBUG SLEEP) during a prefix hit ({writer} writer)",
+                    "store_wait=0.5", "StoreUnavailableError within store_wait",
+                    f"raised after {waited:.2f} s")
+
+
+def test_closing_a_worker_does_not_wait_for_the_helper_process(redis_url, namespace,
+                                                              reliability):
+    times = []
+    for _ in range(3):
+        store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+        worker = WorkerConnector(layout=LAYOUT, store=store, writer="process")
+        helper = worker.store.remote._process
+        worker.store.put({"k": blk(1)}, retain_keys=["k"])
+        began = time.monotonic()
+        worker.close()
+        times.append(time.monotonic() - began)
+        assert helper.poll() is not None
+    assert min(times) < 0.05
+    reliability("WorkerConnector.close() with the helper-process writer", "one held block",
+                "holds dropped, helper gone", f"close took {min(times) * 1000:.0f}-"
+                f"{max(times) * 1000:.0f} ms over 3 runs")
+
+
+# -- 11 and 12. the command line -------------------------------------------------------
+
+
+def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "r3cache.cli", *args], capture_output=True,
+                          text=True, timeout=60, **kwargs)
+
+
+def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path):
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    ids = ["../escaped", str(tmp_path / "absolute"), "sub/dir", "plain"]
+    store.put({"a": blk(1)}, manifests=[
+        Manifest(r, LAYOUT.fingerprint, Completion(0, 5), [BlockRef("a", 0, 4)]) for r in ids])
+    store.close()
+    out = tmp_path / "out"
+    result = _cli("export", redis_url, "--namespace", namespace, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    import json
+
+    index = json.loads((out / "index.json").read_text())
+    assert sorted(e["request_id"] for e in index["requests"]) == sorted(ids)
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) == 5 and all((out / e["file"]).exists() for e in index["requests"])
+    assert not (tmp_path / "escaped.npy").exists() and not (tmp_path / "absolute.npy").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["inspect", "redis://127.0.0.1:6379/0?idle_ttl=abc"],
+    ["inspect", "redis://127.0.0.1:6379/0?retries=x"],
+    ["inspect", "redis://127.0.0.1:6379/0?idle_ttl=nan"],
+    ["inspect", "redis://127.0.0.1:port/0"],
+    ["gc", "redis+cluster://127.0.0.1:7000,127.0.0.1:port"],
+    ["inspect", "mongodb://127.0.0.1:6379"],
+    ["gc", "ftp://127.0.0.1"],
+    ["inspect", "redis://127.0.0.1:6379/0?ssl_ca_certs=/tmp/ca.pem"],
+    ["get", "REDIS", "r", "--namespace", "NS", "--out", "x.npy", "--dtype", "int65"],
+    ["get", "REDIS", "r", "--namespace", "NS", "--out", "/proc/nope/x.npy"],
+    ["export", "REDIS", "--namespace", "NS", "--out", "/proc/nope"],
+    ["export", "REDIS", "--namespace", "NS", "--out", "OUT", "--batch", "0"],
+    ["export", "REDIS", "--namespace", "NS", "--out", "OUT", "--batch", "-1"],
+    ["inspect", "redis://user:se#cret-pw@127.0.0.1:6379/0"],
+])
+def test_bad_command_lines_get_one_line_and_exit_2(redis_url, namespace, tmp_path, args):
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    store.put({"a": blk(1)}, manifests=[Manifest("r", LAYOUT.fingerprint, Completion(0, 5),
+                                                 [BlockRef("a", 0, 4)])])
+    store.close()
+    args = [a.replace("REDIS", redis_url).replace("NS", namespace)
+            .replace("OUT", str(tmp_path / "out")) for a in args]
+    result = _cli(*args, cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "se#cret" not in result.stderr and "se" + "#" not in result.stderr
+    assert "cret-pw" not in result.stderr
+
+
+# -- 13. values refused at the boundary -------------------------------------------------
+
+
+def test_store_options_and_names_are_checked(redis_url):
+    for options in ({"idle_ttl": 0}, {"idle_ttl": -1}, {"lease_ttl": float("nan")},
+                    {"manifest_ttl": float("inf")}):
+        with pytest.raises(ContractError):
+            open_store(redis_url, layout=LAYOUT, namespace="test-opts", **options)
+    with pytest.raises(ContractError):
+        open_store(redis_url, layout=LAYOUT, namespace="test-name\n")
+    with pytest.raises(LayoutError):
+        RoutingLayout(num_layers=2, topk=2, num_experts=2**40)
+
+
+def test_invalid_rows_and_positions_are_refused_before_any_effect():
+    store = open_store("memory://", layout=LAYOUT, namespace="rows")
+    worker = WorkerConnector(layout=LAYOUT, store=store)
+    good = oracle_rows(list(range(10)), LAYOUT)[:5]
+    try:
+        worker.begin_step(StepMetadata(0, {"r": 0}, {}, ()))
+        for rows in (np.where(good == good[0, 0, 0], 16, good).astype(np.uint8),  # >= E
+                     np.repeat(good[..., :1], 2, axis=-1)):  # one expert twice in a row
+            pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 5])),
+                                            routed_experts=rows)
+            pending.enqueue_cpu_copy([1], [0])
+            with pytest.raises(InvalidBatchError, match="expert"):
+                worker.process_output(pending)
+        assert store.stats().blocks == 0
+        with pytest.raises(InvalidBatchError, match="integers"):
+            worker.prepare_output(StepBatch(["r"], np.array([0.5]), np.array([0, 5])),
+                                  routed_experts=good)
+        with pytest.raises(ContractError):
+            worker.begin_step(StepMetadata(0, {"bad\ud800": 0}, {}, ()))
+        # The request is untouched: its rows still start at 0.
+        pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 5])),
+                                        routed_experts=good)
+        pending.enqueue_cpu_copy([1], [0])
+        np.testing.assert_array_equal(worker.process_output(pending)["r"].rows, good)
+    finally:
+        worker.close()
+
+
+def test_reader_arguments_are_checked_before_reading(redis_url, namespace):
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    store.put({"a": blk(1)}, manifests=[Manifest("r", LAYOUT.fingerprint, Completion(0, 5),
+                                                 [BlockRef("a", 0, 4)])])
+    try:
+        with R3Reader(redis_url, namespace=namespace) as reader:
+            for kwargs in ({"layers": [99]}, {"layers": ["x"]}, {"dtype": "foo"},
+                           {"dtype": "float32"}):
+                with pytest.raises(ContractError):
+                    reader.get("r", **kwargs)
+            for bad in (None, 3, "", "bad\ud800"):
+                with pytest.raises(ContractError):
+                    reader.get(bad)
+            assert reader.get("r", layers=[-1], dtype="int64").shape == (4, 1, 2)
+    finally:
+        store.close()
+
+
+def test_a_request_id_that_cannot_be_encoded_takes_no_hold(redis_url, namespace):
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    worker = WorkerConnector(layout=LAYOUT, store=store, writer="thread")
+    try:
+        with pytest.raises(ContractError):
+            worker.begin_step(StepMetadata(0, {"x\udcff": 0}, {"x\udcff": [b"h"]}, ()))
+        assert worker.num_requests == 0
+        worker.store.flush()
+        assert holders(store) == {}
+    finally:
+        worker.close()
