@@ -24,7 +24,7 @@ SUITE = ["tests/test_faults.py", "tests/test_corruption.py", "tests/test_acl.py"
          "tests/test_redis_store.py::test_a_crashed_owners_holds_are_reclaimed_after_its_lease",
          "tests/test_redis_store.py::test_tls_urls_with_a_self_signed_ca",
          "tests/test_redis_store.py::test_credentials_are_checked_and_never_shown",
-         "tests/test_process_writer.py", "tests/test_codec.py"]
+         "tests/test_process_writer.py", "tests/test_codec.py", "tests/test_data_safety.py"]
 
 
 def verdicts(junit: Path) -> dict[str, str]:

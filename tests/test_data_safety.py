@@ -370,14 +370,22 @@ def test_an_unreadable_expired_manifest_is_released_without_failing_any_open(
         store.close()
 
 
-def test_a_block_hash_that_cannot_be_a_key_is_refused_before_anything_changes():
-    store = open_store("memory://", layout=LAYOUT, namespace="hashes")
-    worker = WorkerConnector(layout=LAYOUT, store=store)
+def test_a_block_hash_that_cannot_be_a_key_is_refused_before_anything_changes(
+        redis_url, namespace, reliability):
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    worker = WorkerConnector(layout=LAYOUT, store=store, writer="thread")
+    bad_hashes = ("has space", "brace{", "tilde~", "", 1.5, None, object())
     try:
-        for bad in ("has space", "brace{", "tilde~", "", 1.5, None, object()):
+        for bad in bad_hashes:
             with pytest.raises(InvalidBatchError):
                 worker.begin_step(StepMetadata(0, {"r": 0}, {"r": [bad]}, ()))
             assert worker.num_requests == 0
+        worker.store.flush()
+        assert holders(store) == {}
+        reliability("block hashes a manifest could not list (spaces, braces, '~', empty, "
+                    "float, None, an object)", f"{len(bad_hashes)} step metadata",
+                    "InvalidBatchError before any registration or hold",
+                    f"{len(bad_hashes)}/{len(bad_hashes)} refused; 0 requests, 0 holds")
     finally:
         worker.close()
 
@@ -413,7 +421,8 @@ def test_readers_inspect_and_gc_work_when_redis_is_full(reliability):
 # -- 8. the namespace metadata comes back after a restart without persistence ----------
 
 
-def test_a_reader_names_the_cause_when_the_metadata_is_gone(redis_url, namespace):
+def test_a_reader_names_the_cause_when_the_metadata_is_gone(redis_url, namespace,
+                                                           reliability):
     store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
     store.put({"a": blk(1)}, manifests=[Manifest("r", LAYOUT.fingerprint, Completion(0, 5),
                                                  [BlockRef("a", 0, 4)])])
@@ -425,6 +434,9 @@ def test_a_reader_names_the_cause_when_the_metadata_is_gone(redis_url, namespace
         with R3Reader(redis_url, namespace=namespace) as reader:
             assert reader.get("r").shape == (4, 3, 2)
             reader.release("r")
+        reliability("namespace metadata deleted under a live writer", "1 manifest",
+                    "the reader's error names the cause; the writer's next heartbeat "
+                    "writes the metadata back", "read back 4 rows after one heartbeat")
     finally:
         store.close()
 
@@ -483,7 +495,7 @@ def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           text=True, timeout=60, **kwargs)
 
 
-def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path):
+def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path, reliability):
     store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
     ids = ["../escaped", str(tmp_path / "absolute"), "sub/dir", "plain"]
     store.put({"a": blk(1)}, manifests=[
@@ -499,6 +511,9 @@ def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path):
     files = sorted(p.name for p in out.iterdir())
     assert len(files) == 5 and all((out / e["file"]).exists() for e in index["requests"])
     assert not (tmp_path / "escaped.npy").exists() and not (tmp_path / "absolute.npy").exists()
+    reliability("request ids that are paths ('../escaped', an absolute path, 'sub/dir')",
+                "r3cache export of 4 requests", "every file inside --out, ids in index.json",
+                "4 files + index.json in --out, none outside")
 
 
 @pytest.mark.parametrize("args", [
@@ -517,7 +532,8 @@ def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path):
     ["export", "REDIS", "--namespace", "NS", "--out", "OUT", "--batch", "-1"],
     ["inspect", "redis://user:se#cret-pw@127.0.0.1:6379/0"],
 ])
-def test_bad_command_lines_get_one_line_and_exit_2(redis_url, namespace, tmp_path, args):
+def test_bad_command_lines_get_one_line_and_exit_2(redis_url, namespace, tmp_path, args,
+                                                  reliability):
     store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
     store.put({"a": blk(1)}, manifests=[Manifest("r", LAYOUT.fingerprint, Completion(0, 5),
                                                  [BlockRef("a", 0, 4)])])
@@ -529,12 +545,16 @@ def test_bad_command_lines_get_one_line_and_exit_2(redis_url, namespace, tmp_pat
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "se#cret" not in result.stderr and "se" + "#" not in result.stderr
     assert "cret-pw" not in result.stderr
+    shown = " ".join(args).replace(redis_url, "URL").replace(namespace, "NS")
+    reliability(f"command line `r3cache {shown.replace('se#cret-pw', 'PASSWORD#')}`",
+                "one run", "exit 2, one line, no traceback, no secret",
+                result.stderr.strip().replace("|", "/")[:140])
 
 
 # -- 13. values refused at the boundary -------------------------------------------------
 
 
-def test_store_options_and_names_are_checked(redis_url):
+def test_store_options_and_names_are_checked(redis_url, reliability):
     for options in ({"idle_ttl": 0}, {"idle_ttl": -1}, {"lease_ttl": float("nan")},
                     {"manifest_ttl": float("inf")}):
         with pytest.raises(ContractError):
@@ -543,9 +563,12 @@ def test_store_options_and_names_are_checked(redis_url):
         open_store(redis_url, layout=LAYOUT, namespace="test-name\n")
     with pytest.raises(LayoutError):
         RoutingLayout(num_layers=2, topk=2, num_experts=2**40)
+    reliability("idle_ttl 0 or -1, lease_ttl NaN, manifest_ttl inf, a namespace with a "
+                "trailing newline, num_experts 2**40", "open_store, RoutingLayout",
+                "typed errors before anything is written", "7/7 refused")
 
 
-def test_invalid_rows_and_positions_are_refused_before_any_effect():
+def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
     store = open_store("memory://", layout=LAYOUT, namespace="rows")
     worker = WorkerConnector(layout=LAYOUT, store=store)
     good = oracle_rows(list(range(10)), LAYOUT)[:5]
@@ -569,11 +592,15 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect():
                                         routed_experts=good)
         pending.enqueue_cpu_copy([1], [0])
         np.testing.assert_array_equal(worker.process_output(pending)["r"].rows, good)
+        reliability("expert ID >= num_experts, an expert twice in a row, float positions, "
+                    "a request id with a lone surrogate", "one request",
+                    "InvalidBatchError / ContractError before any state or store change",
+                    "0 blocks stored; the request then runs from position 0")
     finally:
         worker.close()
 
 
-def test_reader_arguments_are_checked_before_reading(redis_url, namespace):
+def test_reader_arguments_are_checked_before_reading(redis_url, namespace, reliability):
     store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
     store.put({"a": blk(1)}, manifests=[Manifest("r", LAYOUT.fingerprint, Completion(0, 5),
                                                  [BlockRef("a", 0, 4)])])
@@ -587,6 +614,9 @@ def test_reader_arguments_are_checked_before_reading(redis_url, namespace):
                 with pytest.raises(ContractError):
                     reader.get(bad)
             assert reader.get("r", layers=[-1], dtype="int64").shape == (4, 1, 2)
+        reliability("R3Reader.get with layers=[99], dtype='foo', None or a surrogate id",
+                    "one recorded request", "ContractError before anything is read",
+                    "8/8 refused")
     finally:
         store.close()
 
