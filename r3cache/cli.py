@@ -155,8 +155,8 @@ def _gc_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_gc(args: argparse.Namespace) -> int:
-    from r3cache.store.janitor import list_namespaces, reclaim_dead_owners
-    from r3cache.store.redis_connect import open_redis_store
+    from r3cache.store.janitor import reclaim_dead_owners
+    from r3cache.store.redis_connect import list_namespaces, open_redis_store
 
     namespaces = args.namespace or list_namespaces(args.url)
     if not namespaces:
@@ -282,8 +282,8 @@ def _recorded(reader) -> list[str]:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from r3cache.store.janitor import list_namespaces, owner_liveness
-    from r3cache.store.redis_connect import open_redis_store
+    from r3cache.store.janitor import owner_liveness
+    from r3cache.store.redis_connect import list_namespaces, open_redis_store
 
     namespaces = [args.namespace] if args.namespace else list_namespaces(args.url)
     if not namespaces:

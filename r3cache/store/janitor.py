@@ -174,17 +174,3 @@ def drop_holds(store, owners: list[str], refs: list[bytes]) -> int:
     return sum(int(count) for _, (count,) in
                store._execute(refs, lambda idx: [RECLAIM_SCRIPT.command(*argv(idx))]))
 
-
-def list_namespaces(url: str) -> list[str]:
-    """Every namespace ever opened on the server(s) at ``url``."""
-    from r3cache.store.redis_connect import connect
-    from r3cache.store.redis_errors import redis_errors
-    from r3cache.store.redis_keys import NAMESPACES_KEY
-
-    nodes, _, _ = connect(url, "-", {})
-    try:
-        with redis_errors("-", "listing namespaces"):
-            members = nodes.client_for(NAMESPACES_KEY).smembers(NAMESPACES_KEY)
-            return sorted(n.decode() for n in members)
-    finally:
-        nodes.close()

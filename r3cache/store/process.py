@@ -357,9 +357,9 @@ class ProcessWriter:
 
 
 def spawn_writer(store: Any, **kwargs: Any) -> ProcessWriter:
-    """A ProcessWriter for the namespace of an open RedisBlockStore, which it then closes."""
+    """A ProcessWriter for the namespace of an open RedisBlockStore, which it closes first
+    (the helper registers as the same owner when the caller fixed one)."""
     url, options = store.reopen_args
-    writer = ProcessWriter(url, store.layout, store.namespace, options, **kwargs)
     store.close()
-    return writer
+    return ProcessWriter(url, store.layout, store.namespace, options, **kwargs)
 

@@ -494,10 +494,11 @@ class RedisBlockStore:
             if self._lease is not None:
                 from r3cache.store.janitor import drop_holds
 
+                self._lease.stop()  # first: a heartbeat may be re-applying holds
                 with redis_errors(self.namespace, "closing"), self._hold_lock:
                     drop_holds(self, [self.owner], [self.keys.refs(k) for k in self._holds])
                     self._holds.clear()
-                    self._lease.stop()
+                    self._lease.unregister()
         finally:
             self._nodes.close()
 
@@ -636,6 +637,9 @@ class _Lease:
                 continue  # retried at the next beat; the lease covers short outages
 
     def stop(self) -> None:
+        """No more heartbeats."""
         self._stop.set()
         self._thread.join()
+
+    def unregister(self) -> None:
         self._store.call(self._key, "HDEL", self._key, self._store.owner)

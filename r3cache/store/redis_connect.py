@@ -16,7 +16,7 @@ from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
 from r3cache.store.redis import RedisBlockStore, RedisOptions, missing_namespace
 from r3cache.store.redis_errors import redis_errors
-from r3cache.store.redis_keys import REDIS_SCHEMES, KeySchema, check_name
+from r3cache.store.redis_keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, check_name
 from r3cache.store.redis_nodes import ClusterNodes, SingleNode
 
 
@@ -148,3 +148,13 @@ def _stored_layout(nodes, keys: KeySchema, display: str) -> RoutingLayout:
             raise missing_namespace(nodes, display, keys)
     return RoutingLayout.from_fingerprint(fingerprint.decode())
 
+
+def list_namespaces(url: str) -> list[str]:
+    """Every namespace ever opened on the server(s) at ``url``."""
+    nodes, _, _ = connect(url, "-", {})
+    try:
+        with redis_errors("-", "listing namespaces"):
+            members = nodes.client_for(NAMESPACES_KEY).smembers(NAMESPACES_KEY)
+            return sorted(n.decode() for n in members)
+    finally:
+        nodes.close()
