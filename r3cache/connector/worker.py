@@ -431,12 +431,17 @@ class WorkerConnector:
                 f"request {pending.req_ids[i]!r}: {int(rejected[i])} rejected of "
                 f"{int(counts[i])} tokens"
             )
+        valid = counts - rejected
+        # The step's kept rows, request by request (rejected draft rows are discarded).
+        req = np.repeat(np.arange(len(slots)), valid)
+        offset = np.arange(len(req)) - np.repeat(np.cumsum(valid) - valid, valid)
+        rows = pending.routed_experts
         # Checked before anything changes: rows no router could have picked would be
         # stored, shared and replayed.
-        problem = self.layout.id_problem(pending.routed_experts[: int(qsl[-1])])
+        problem = self.layout.id_problem(rows[qsl[:-1][req] + offset] if rejected.any()
+                                         else rows[: int(qsl[-1])])
         if problem:
             raise InvalidBatchError(f"routed_experts of this step: {problem}")
-        valid = counts - rejected
         token_starts = pending.token_starts
         cursor = table.capture[slots]
         first = cursor == NO_CURSOR
@@ -452,13 +457,12 @@ class WorkerConnector:
         self.stats.steps += 1
         self.stats.rows_captured += int(valid.sum())
 
-        own = self._capture(slots, start, end, qsl[:-1], pending.routed_experts)
+        own = self._capture(slots, start, valid, qsl[:-1], rows, req, offset)
 
         emit = table.emit[slots]
         owed = (pending.num_sampled > 0) & (emit <= end)
         table.emit[slots] = np.where(owed, end, emit)
         direct = owed & (emit >= start)
-        rows = pending.routed_experts
         ids = pending.req_ids
         lo = (qsl[:-1] + emit - start)[direct].tolist()
         hi = (qsl[:-1] + valid)[direct].tolist()
@@ -488,7 +492,8 @@ class WorkerConnector:
                 f"{int(cursor[i])} and step start {int(starts[i])}"
             )
 
-    def _capture(self, slots, start, end, row0, rows) -> dict[tuple[int, int], np.ndarray]:
+    def _capture(self, slots, start, valid, row0, rows, req, offset
+                 ) -> dict[tuple[int, int], np.ndarray]:
         """Write the step's valid rows into tails; publish or park the blocks they complete.
 
         Vectorised over all rows of the step: no Python loop per token or request.
@@ -496,12 +501,9 @@ class WorkerConnector:
         """
         table = self._table
         bs = self.layout.block_size
-        valid = end - start
-        total = int(valid.sum())
-        if total == 0:
+        if not len(req):
             return {}
-        req = np.repeat(np.arange(len(slots)), valid)
-        offset = np.arange(total) - np.repeat(np.cumsum(valid) - valid, valid)
+        end = start + valid
         pos = start[req] + offset
         src = row0[req] + offset
         first_block = start // bs
