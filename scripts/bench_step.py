@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from r3cache import RoutingLayout, StepBatch, StepMetadata, WorkerConnector, open_store
+from r3cache.sim import oracle_rows
 
 LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
 _RUN = [0]  # a fresh namespace per driver, so no run reads another's blocks
@@ -59,7 +60,8 @@ class Driver:
         self.worker = WorkerConnector(layout=LAYOUT, store=store, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_tokens, writer=Driver.writer)
         self.rng = np.random.default_rng(0)
-        self.rows = self.rng.integers(0, 128, (max_tokens, 48, 8)).astype(np.uint8)
+        # Routes a router could pick (distinct experts per token and layer).
+        self.rows = oracle_rows(self.rng.integers(0, 151_936, max_tokens).tolist(), LAYOUT)
         self.times: list[float] = []
 
     def step(self, metadata, req_ids, starts, counts, rejected=None, measure=True) -> dict:

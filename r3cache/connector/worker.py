@@ -210,11 +210,12 @@ class WorkerConnector:
                                 f"{sorted(unfinished)}")
         table = self._table
         # Every request and key is checked before anything changes.
-        known = metadata.requests.keys() | (
-            () if metadata.generation > self._generation else table.slot_of.keys())
+        registered = {} if metadata.generation > self._generation else table.slot_of
         for req_id in metadata.requests:
-            check_request_id(req_id)
-        unknown = [r for r in (*metadata.block_hashes, *finished) if r not in known]
+            if req_id not in registered:
+                check_request_id(req_id)
+        unknown = [r for r in (*metadata.block_hashes, *finished)
+                   if r not in metadata.requests and r not in registered]
         if unknown:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
             raise MetadataError(f"request {unknown[0]!r} is not registered with the worker "
