@@ -60,6 +60,10 @@ class ReplayError(ContractError):
     """Recorded routes do not fit the model or forward they are replayed into."""
 
 
+class IntegrationError(R3Error, RuntimeError):
+    """A framework r3cache plugs into is not the version or API its integration knows."""
+
+
 class StoreError(R3Error):
     """A block store failed to store or return blocks."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -88,24 +89,30 @@ class R3Reader:
     # -- numpy ----------------------------------------------------------------------
 
     def get(self, request_id: str, *, dtype: Any = None,
-            layers: Sequence[int] | slice | None = None) -> np.ndarray:
+            layers: Sequence[int] | slice | None = None, wait: float = 0.0) -> np.ndarray:
         """Routes of one request: ``(num_tokens - 1 - prompt_start, layers, topk)``."""
-        return self.get_many([request_id], dtype=dtype, layers=layers)[0]
+        return self.get_many([request_id], dtype=dtype, layers=layers, wait=wait)[0]
 
     def get_many(self, request_ids: Sequence[str], *, dtype: Any = None,
-                 layers: Sequence[int] | slice | None = None) -> list[np.ndarray]:
+                 layers: Sequence[int] | slice | None = None,
+                 wait: float = 0.0) -> list[np.ndarray]:
         """Routes of many requests: one round for the manifests, then their blocks.
 
         Blocks are fetched and decoded in groups of about ``_GROUP_ROWS`` rows, one round
         per node each; while the next group travels, a helper thread validates the
         previous one (numpy releases the GIL), so the checks cost little wall time.
         The first failure, in request order, is raised; nothing partial is returned.
+        ``wait`` seconds are given to manifests not there yet: an engine records a
+        request's manifest a moment after its response (its next step, then the
+        writer), so a trainer reading right after a rollout passes a few seconds.
         """
         if isinstance(request_ids, str):
             raise ContractError("get_many takes a sequence of request ids, not one str")
         request_ids = [check_request_id(r) for r in request_ids]
         dtype, layers = self._selection(dtype, layers)
-        manifests = self.store.get_manifests(request_ids)
+        if not (isinstance(wait, (int, float)) and wait >= 0):
+            raise ContractError(f"wait must be a number of seconds >= 0, not {wait!r}")
+        manifests = self._manifests(request_ids, wait)
         missing = [r for r, m in zip(request_ids, manifests) if m is None]
         if missing:
             raise ManifestNotFoundError(missing, namespace=self.namespace)
@@ -125,6 +132,18 @@ class R3Reader:
         finally:
             for check in checks:
                 check.cancel()
+
+    def _manifests(self, request_ids: list[str], wait: float) -> list[Manifest | None]:
+        manifests = self.store.get_manifests(request_ids)
+        deadline = time.monotonic() + wait
+        delay = 0.01
+        while None in manifests and time.monotonic() < deadline:
+            time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+            delay = min(2 * delay, 0.25)
+            absent = [i for i, m in enumerate(manifests) if m is None]
+            for i, m in zip(absent, self.store.get_manifests([request_ids[i] for i in absent])):
+                manifests[i] = m
+        return manifests
 
     def _selection(self, dtype: Any, layers: Any) -> tuple[np.dtype | None, Any]:
         """``dtype`` and ``layers`` checked against the layout, before anything is read."""

@@ -1,0 +1,372 @@
+"""vLLM plugin: r3cache's worker connector and block store behind vLLM's aux-output connector.
+
+Registered as the ``vllm.general_plugins`` entry point ``r3cache``, which vLLM loads in its
+API process, its engine core and every worker. It does nothing unless ``R3CACHE_URL`` is
+set; then, with ``--enable-return-routed-experts``:
+
+- the model runner gets r3cache's ``WorkerConnector`` in place of vLLM's, fed by vLLM's
+  own capturer (its device buffer, its snapshot, its copy to the host on the output copy
+  stream), publishing to the store ``R3CACHE_URL`` names under ``R3CACHE_NAMESPACE``
+  (default: the served model name and its weights revision);
+- the scheduler's connector also tells the worker when a request finished for good, with
+  its final token count, so the worker records a manifest under the id vLLM's caller
+  knows (``RequestOutput.request_id``; ``<id>/<i>`` for the i-th sample of ``n > 1``);
+- ``R3CACHE_INLINE=0`` leaves ``routed_experts`` out of responses (keys only: the trainer
+  reads the routes from the store by request id).
+
+Options of the worker connector ride on the URL's query next to the store's
+(``on_unavailable``, ``store_wait``, ``writer``, ``local_tier_bytes``). Anything the plugin
+cannot do as asked (a vLLM whose connector API differs, a store it cannot reach, a
+namespace of another layout) raises at engine start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import xxhash
+
+from r3cache.connector.worker import WorkerConnector
+from r3cache.errors import ContractError, IntegrationError
+from r3cache.layout import RoutingLayout
+from r3cache.manifest import Completion
+from r3cache.store import open_store
+
+log = logging.getLogger("r3cache.vllm")
+
+# What the plugin rebinds or calls, module by module: a vLLM without any of these has
+# another connector API, and the plugin refuses to start rather than guess.
+_API = {
+    "vllm.v1.worker.gpu.model_runner": ("get_aux_output_connector",),
+    "vllm.v1.core.sched.scheduler": ("AuxOutputSchedulerConnector",),
+    "vllm.distributed.aux_output_connector.connector": (
+        "AuxOutputSchedulerConnector", "AuxOutputConnectorMetadata"),
+    "vllm.model_executor.layers.fused_moe.routed_experts_capturer": (
+        "RoutedExpertsCapturer", "bind_routed_experts_capturer"),
+    "vllm.v1.core.kv_cache_utils": ("resolve_kv_cache_block_sizes",),
+    "vllm.distributed.parallel_state": ("get_tp_group",),
+    "vllm.v1.request": ("Request",),
+    "vllm.v1.engine.core_client": ("InprocClient",),
+}
+_SCHEDULER_METHODS = ("build_connector_meta", "request_finished", "take_output", "reset")
+# WorkerConnector options that may ride on R3CACHE_URL's query.
+_CONNECTOR_OPTIONS = {"on_unavailable": str, "store_wait": float, "writer": str,
+                      "local_tier_bytes": int}
+
+
+def register() -> None:
+    """The entry point: rebind vLLM's connector factories when R3CACHE_URL is set."""
+    if not os.environ.get("R3CACHE_URL"):
+        return
+    import importlib
+
+    modules = {name: _import(importlib, name) for name in _API}
+    missing = [f"{name}.{attr}" for name, attrs in _API.items() for attr in attrs
+               if not hasattr(modules[name], attr)]
+    base = getattr(modules["vllm.distributed.aux_output_connector.connector"],
+                   "AuxOutputSchedulerConnector", None)
+    missing += [f"AuxOutputSchedulerConnector.{m}" for m in _SCHEDULER_METHODS
+                if base is not None and not hasattr(base, m)]
+    if base is not None and not hasattr(base(), "_sent_hash_counts"):
+        missing.append("AuxOutputSchedulerConnector._sent_hash_counts")
+    if missing:
+        _differs(f"missing {', '.join(missing)}")
+    modules["vllm.v1.worker.gpu.model_runner"].get_aux_output_connector = worker_connector
+    modules["vllm.v1.core.sched.scheduler"].AuxOutputSchedulerConnector = \
+        _scheduler_connector_class(base)
+    _keep_external_ids(modules["vllm.v1.request"].Request)
+    _drain_terminal_events(modules["vllm.v1.engine.core_client"].InprocClient)
+
+
+def _import(importlib, name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        _differs(f"cannot import {name} ({exc})")
+
+
+def _differs(what: str):
+    try:
+        from vllm import __version__ as version
+    except ImportError:
+        version = "(not installed)"
+    raise IntegrationError(
+        f"R3CACHE_URL is set, but vLLM {version} does not have the aux-output connector API "
+        f"r3cache's plugin knows (vLLM 0.32-0.33): {what}. Unset R3CACHE_URL or install a "
+        "vLLM the plugin supports."
+    )
+
+
+# -- request ids --------------------------------------------------------------------
+
+
+def manifest_id(internal_id: str, external_id: str | None) -> str:
+    """The id a request's manifest is recorded under: the one vLLM's caller knows.
+
+    vLLM's engine core knows ``<caller's id>-<8 random hex>`` (or the caller's id when
+    randomisation is off); the i-th sample of an ``n > 1`` request is ``<i>_<parent's
+    internal id>`` and shares its parent's caller id, so it is recorded as ``<id>/<i>``.
+    """
+    if external_id is None:
+        return internal_id
+    child = re.fullmatch(r"(\d+)_(.+)", internal_id)
+    if child and child.group(2).startswith(external_id) and internal_id != external_id:
+        return f"{external_id}/{child.group(1)}"
+    return external_id
+
+
+def _keep_external_ids(request_class) -> None:
+    """Requests built in the engine core remember the id their caller knows."""
+    original = request_class.from_engine_core_request.__func__
+    if getattr(original, "_r3cache", False):
+        return
+
+    def from_engine_core_request(cls, request, *args, **kwargs):
+        made = original(cls, request, *args, **kwargs)
+        made.r3cache_id = manifest_id(request.request_id,
+                                      getattr(request, "external_req_id", None))
+        return made
+
+    from_engine_core_request._r3cache = True
+    request_class.from_engine_core_request = classmethod(from_engine_core_request)
+
+
+def _drain_terminal_events(client_class) -> None:
+    """An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) steps once more after its
+    last output, as an engine-core process does by itself: the scheduler tells the
+    worker which requests finished in the step after they did, and that step is what
+    records their manifests."""
+    original = client_class.dp_engines_running
+    if getattr(original, "_r3cache", False):
+        return
+
+    def dp_engines_running(self) -> bool:
+        core = getattr(self, "engine_core", None)
+        scheduler = getattr(core, "scheduler", None)
+        return original(self) or bool(scheduler is not None
+                                       and scheduler.has_finished_requests())
+
+    dp_engines_running._r3cache = True
+    client_class.dp_engines_running = dp_engines_running
+
+
+# -- scheduler side -----------------------------------------------------------------
+
+
+_built: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    # Built on first use, so importing this module never imports vLLM; found by name
+    # here, so the metadata pickles between vLLM's engine core and its workers.
+    if name == "R3ConnectorMetadata":
+        return _metadata_class()
+    raise AttributeError(name)
+
+
+def _metadata_class() -> type:
+    if "metadata" not in _built:
+        from vllm.distributed.aux_output_connector.connector import AuxOutputConnectorMetadata
+
+        @dataclass
+        class R3ConnectorMetadata(AuxOutputConnectorMetadata):
+            """vLLM's step metadata and the requests that finished for good this step."""
+
+            completions: dict[str, Completion] = field(default_factory=dict)
+
+        R3ConnectorMetadata.__qualname__ = "R3ConnectorMetadata"
+        _built["metadata"] = R3ConnectorMetadata
+    return _built["metadata"]
+
+
+def _scheduler_connector_class(base):
+    metadata_class = _metadata_class()
+
+    class R3SchedulerConnector(base):
+        """Own vLLM's scheduler-side connector state plus the completions for manifests."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._completions: dict[str, Completion] = {}
+            self._inline = os.environ.get("R3CACHE_INLINE", "1").lower() not in ("0", "false",
+                                                                                  "no")
+
+        def build_connector_meta(self, scheduler_output, requests):
+            meta = super().build_connector_meta(scheduler_output, requests)
+            completions, self._completions = self._completions, {}
+            return metadata_class(meta.generation, meta.requests, meta.block_hashes,
+                                  meta.finished_requests, completions)
+
+        def request_finished(self, request) -> None:
+            # Only a request the worker heard of gets a terminal event (and a manifest);
+            # a preempted one is finished on the worker but not for good.
+            known = request.request_id in self._sent_hash_counts
+            super().request_finished(request)
+            if known and request.is_finished():
+                params = request.sampling_params
+                start = min(getattr(params, "routed_experts_prompt_start", 0) or 0,
+                            request.num_prompt_tokens)
+                self._completions[request.request_id] = Completion(
+                    start, request.num_tokens,
+                    getattr(request, "r3cache_id", None) or request.request_id)
+
+        def take_output(self, request, output):
+            rows = super().take_output(request, output)
+            return rows if self._inline else None
+
+    return R3SchedulerConnector
+
+
+# -- worker side --------------------------------------------------------------------
+
+
+class _VllmCapture:
+    """Own the adapter that lets r3cache's connector snapshot vLLM's capturer."""
+
+    def __init__(self, capturer, layout: RoutingLayout, max_num_batched_tokens: int) -> None:
+        self._capturer = capturer
+        self.layout = layout
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def snapshot(self, num_rows: int):
+        return self._capturer.snapshot_routing_data(num_rows)
+
+    def host_ring(self, depth: int) -> _VllmCapture:
+        return self
+
+    def copy(self, snapshot) -> _HostCopy:
+        # vLLM calls enqueue_cpu_copy on its output copy stream and waits on that
+        # stream's event before process_output: its own D2H path, unchanged.
+        return _HostCopy(snapshot.to("cpu", non_blocking=True))
+
+
+class _HostCopy:
+    """Own one step's rows on the host, a fresh tensor no later step writes."""
+
+    def __init__(self, tensor) -> None:
+        self._tensor = tensor
+
+    def result(self):
+        return self._tensor.numpy()
+
+
+class VllmWorkerConnector:
+    """Own r3cache's WorkerConnector as vLLM's model runner sees its worker connector."""
+
+    def __init__(self, worker: WorkerConnector | None) -> None:
+        self.worker = worker
+        self._metadata_seen = False
+
+    def begin_step(self, metadata) -> None:
+        from r3cache.connector.metadata import StepMetadata
+
+        self._metadata_seen = metadata is not None
+        if self.worker is None or metadata is None:
+            return
+        self.worker.begin_step(StepMetadata(
+            metadata.generation, metadata.requests,
+            {r: list(packed) for r, packed in metadata.block_hashes.items()},
+            metadata.finished_requests, getattr(metadata, "completions", {})))
+
+    def prepare_output(self, input_batch):
+        from r3cache.connector.metadata import StepBatch
+
+        if self.worker is None or not self._metadata_seen:
+            return None  # a dummy or profiling run
+        n = len(input_batch.req_ids)
+        return self.worker.prepare_output(StepBatch(
+            list(input_batch.req_ids), input_batch.num_computed_tokens_np[:n],
+            input_batch.query_start_loc_np[: n + 1]))
+
+    def process_output(self, pending):
+        return self.worker.process_output(pending)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def worker_connector(model, vllm_config, kv_cache_config) -> VllmWorkerConnector:
+    """What vLLM's model runner builds in place of its AuxOutputWorkerConnector."""
+    from vllm.distributed.parallel_state import get_tp_group
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+        RoutedExpertsCapturer,
+        bind_routed_experts_capturer,
+    )
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    capturer = RoutedExpertsCapturer(max_num_batched_tokens=max_tokens, vllm_config=vllm_config)
+    bind_routed_experts_capturer(model, capturer)
+    # Every TP rank captures (collectives); the first one owns the data plane.
+    if not get_tp_group().is_first_rank:
+        return VllmWorkerConnector(None)
+    num_layers, topk = capturer.shape_per_token
+    _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    layout = RoutingLayout(num_layers, topk, vllm_config.model_config.get_num_experts(),
+                           hash_block_size)
+    url, connector_options = split_url(os.environ["R3CACHE_URL"])
+    namespace = os.environ.get("R3CACHE_NAMESPACE") or default_namespace(
+        vllm_config.model_config)
+    store = open_store(url, layout=layout, namespace=namespace,
+                       hash_algo=vllm_config.cache_config.prefix_caching_hash_algo)
+    try:
+        worker = WorkerConnector(
+            layout=layout, store=store,
+            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=max_tokens,
+            max_concurrent_batches=vllm_config.max_concurrent_batches,
+            capturer=_VllmCapture(capturer, layout, max_tokens), **connector_options)
+    except BaseException:
+        store.close()
+        raise
+    log.info("r3cache: routed experts of %s go to %r (namespace %r, layout %s)",
+             vllm_config.model_config.model, store, namespace, layout.fingerprint)
+    return VllmWorkerConnector(worker)
+
+
+def split_url(url: str) -> tuple[str, dict[str, Any]]:
+    """R3CACHE_URL as (the store URL, the WorkerConnector options in its query)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    options: dict[str, Any] = {}
+    for key, value in query:
+        if key in _CONNECTOR_OPTIONS:
+            try:
+                options[key] = _CONNECTOR_OPTIONS[key](value)
+            except ValueError:
+                raise ContractError(f"R3CACHE_URL option {key} has an invalid value "
+                                    f"{value!r}") from None
+    rest = urlencode([(k, v) for k, v in query if k not in _CONNECTOR_OPTIONS])
+    return urlunsplit(parts._replace(query=rest)), options
+
+
+def default_namespace(model_config) -> str:
+    """``<served model name>@<weights revision>``: new weights, new namespace.
+
+    The revision is the Hub revision when one was asked for, else a digest of the weight
+    files' names, sizes and modification times (a local checkpoint directory).
+    """
+    served = model_config.served_model_name
+    name = (served[0] if isinstance(served, list) else served) or model_config.model
+    name = Path(str(name).rstrip("/")).name if os.path.isdir(str(name)) else str(name)
+    revision = model_config.revision or _weights_digest(model_config.model)
+    namespace = re.sub(r"[^A-Za-z0-9._@+/=-]", "-", f"{name}@{revision or 'main'}")
+    return namespace[:200]
+
+
+def _weights_digest(path: str) -> str | None:
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    digest = xxhash.xxh3_64()
+    for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()[:12]
