@@ -28,7 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_step.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check r3cache tests scripts
+	$(BIN)/ruff check r3cache tests tests_vllm scripts
 
 # The vLLM suite runs real vLLM (the CPU build) in a venv of its own, kept outside the
 # clone and keyed by the pinned version, so fresh clones and later runs reuse its 3.5 GB.

@@ -10,6 +10,7 @@ routed experts by request id, and OUT.json what the r3cache connector counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -43,21 +44,22 @@ def main() -> None:
               enable_prefix_caching=True, enable_return_routed_experts=True, max_num_seqs=8,
               max_num_batched_tokens=512, enforce_eager=True, seed=0)
     prompts = json.loads(Path(args.prompts).read_text())
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, n=args.n,
-                            ignore_eos=True)
+    # Greedy, except that samples of one request (n > 1) are drawn, seeded.
+    params = SamplingParams(max_tokens=args.max_tokens, n=args.n, ignore_eos=True,
+                            temperature=0 if args.n == 1 else 1.0, seed=0)
     arrays: dict[str, np.ndarray] = {}
     ids: list[str] = []
     for round_ in range(args.rounds):
         if round_ == 1 and args.shutdown_redis:
             import redis
 
-            try:
+            # Redis answers SHUTDOWN by closing the connection.
+            with contextlib.suppress(redis.exceptions.ConnectionError):
                 redis.Redis(port=args.shutdown_redis).shutdown(nosave=False)
-            except redis.exceptions.ConnectionError:
-                pass  # it answers SHUTDOWN by closing the connection
         for output in llm.generate(prompts, params, use_tqdm=False):
             for completion in output.outputs:
-                key = output.request_id if args.n == 1 else f"{output.request_id}/{completion.index}"
+                key = (output.request_id if args.n == 1
+                       else f"{output.request_id}/{completion.index}")
                 ids.append(key)
                 arrays[f"tokens:{key}"] = np.array(completion.token_ids)
                 if completion.routed_experts is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from conftest import failed, finish, grpo_prompts, run_vllm
 
@@ -79,6 +78,14 @@ def test_keys_only_responses_carry_no_routes(model, redis_url, baseline, namespa
                         "R3CACHE_INLINE": "0"})
     assert all(run.routes(r) is None for r in run.ids)
     _assert_routes(redis_url, namespace, run, expected=baseline)
+
+
+def test_each_sample_of_a_parallel_sampling_request_has_its_manifest(model, redis_url,
+                                                                     namespace, tmp_path):
+    run = run_vllm(model, tmp_path, grpo_prompts(1)[:1], max_tokens=MAX_TOKENS, n=2,
+                   env={"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace})
+    assert run.ids == ["0/0", "0/1"]
+    _assert_routes(redis_url, namespace, run)
 
 
 @pytest.mark.parametrize("policy", ["incomplete", "raise"])
