@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import redis
 from conftest import failed, finish, grpo_prompts, run_vllm
 
-from r3cache import R3Reader
+from r3cache import R3Reader, RoutingLayout, open_store
 from r3cache.errors import ManifestNotFoundError
-from r3cache.testing import RedisServer
+from r3cache.store.redis_connect import list_namespaces
+from r3cache.testing import RedisServer, free_port
 
 MAX_TOKENS = 24  # 70 + 12..14 prompt tokens + 24: three full 32-token blocks a request
 
@@ -120,3 +122,44 @@ def test_a_store_that_goes_away_never_yields_wrong_rows(model, baseline, policy,
         assert found <= 9  # nothing recorded after Redis went away
     finally:
         server.stop()
+
+
+def test_without_a_namespace_the_model_and_its_weights_name_one(model, redis_url, tmp_path):
+    run = run_vllm(model, tmp_path, grpo_prompts(1)[:1], env={"R3CACHE_URL": redis_url})
+    namespaces = list_namespaces(redis_url)
+    named = [n for n in namespaces if n.startswith(f"{model.name}@")]
+    assert len(named) == 1 and len(named[0]) == len(model.name) + 13  # @ + 12 hex digits
+    _assert_routes(redis_url, named[0], run)
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(match=f"r3:{named[0]}:*"):
+        client.delete(key)
+    client.srem("r3:namespaces", named[0])
+
+
+def test_the_engine_refuses_to_start_on_a_store_it_cannot_use(model, redis_url, namespace,
+                                                              tmp_path):
+    other = RoutingLayout(num_layers=4, topk=2, num_experts=8, block_size=32)
+    open_store(redis_url, layout=other, namespace=namespace).close()
+    log = failed(run_vllm(model, tmp_path, grpo_prompts(1)[:1], background=True,
+                          env={"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace}))
+    assert "LayoutMismatchError" in log and namespace in log
+    log = failed(run_vllm(model, tmp_path, grpo_prompts(1)[:1], background=True,
+                          env={"R3CACHE_URL": f"redis://127.0.0.1:{free_port()}/0?retries=0",
+                               "R3CACHE_NAMESPACE": namespace}))
+    assert "StoreUnavailableError" in log
+
+
+def test_a_vllm_with_another_connector_api_is_refused_by_name(monkeypatch):
+    import vllm
+    import vllm.v1.core.sched.scheduler as scheduler
+
+    from r3cache.errors import IntegrationError
+    from r3cache.integrations import vllm as plugin
+
+    monkeypatch.setenv("R3CACHE_URL", "memory://")
+    monkeypatch.delattr(scheduler, "AuxOutputSchedulerConnector")  # as in another release
+    with pytest.raises(IntegrationError, match=f"vLLM {vllm.__version__}.*"
+                       "vllm.v1.core.sched.scheduler.AuxOutputSchedulerConnector"):
+        plugin.register()
+    monkeypatch.delenv("R3CACHE_URL")
+    plugin.register()  # without R3CACHE_URL the plugin does nothing at all
