@@ -14,7 +14,11 @@ It checks, and prints a table of figures:
    stream into the pinned ring while the next step computes; rows delivered equal the device
    rows; per-step host time of prepare/enqueue/process and device time of each copy;
 4. overlap: wall time of N graph steps alone, with async copies, and with synchronous
-   ``.cpu()`` copies.
+   ``.cpu()`` copies;
+5. with ``--vllm`` (where vLLM is installed with CUDA), the plugin end to end: the tiny
+   Qwen3-MoE of tests_vllm served by vLLM with CUDA graphs, once with vLLM's own connector
+   and once with r3cache's over a local redis-server; inline routes of both runs and the
+   stored routes must be byte-identical.
 Exit status 0 when every check passed.
 """
 
@@ -246,12 +250,58 @@ def check_overlap(device, stack, capturer, static_x, graph, steps: int) -> None:
            f"{copy_time}")
 
 
+def check_vllm() -> None:
+    """The vLLM plugin on CUDA: the same end-to-end comparison tests_vllm makes on the CPU."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from r3cache import R3Reader
+    from r3cache.testing import RedisServer
+
+    tests = Path(__file__).resolve().parents[1] / "tests_vllm"
+    sys.path.insert(0, str(tests))
+    from conftest import grpo_prompts
+    from tiny_model import build
+
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:
+        model = build(Path(tmp) / "model")
+        prompts = Path(tmp) / "prompts.json"
+        prompts.write_text(json.dumps(grpo_prompts()))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("R3CACHE_")}
+        env.update(VLLM_USE_V2_MODEL_RUNNER="1",
+                   PYTHONPATH=os.pathsep.join([str(tests.parent), env.get("PYTHONPATH", "")]))
+        runs = {}
+        for name, extra in (("vllm", {}), ("r3cache", {"R3CACHE_URL": server.url,
+                                                        "R3CACHE_NAMESPACE": "gpu-check"})):
+            out = Path(tmp) / f"{name}.npz"
+            began = time.perf_counter()
+            subprocess.run([sys.executable, str(tests / "generate.py"), str(model), str(out),
+                            "--prompts", str(prompts), "--max-tokens", "24", "--rounds", "2",
+                            "--cuda-graphs"], env={**env, **extra}, check=True)
+            with np.load(out) as data:
+                runs[name] = (dict(data), time.perf_counter() - began)
+        ids = json.loads((Path(tmp) / "r3cache.json").read_text())["ids"]
+        own, plugin = runs["vllm"][0], runs["r3cache"][0]
+        with R3Reader(server.url, namespace="gpu-check") as reader:
+            stored = reader.get_many(ids, wait=15)
+        same = all(own[f"routes:{r}"].tobytes() == plugin[f"routes:{r}"].tobytes()
+                   == s.tobytes() for r, s in zip(ids, stored))
+        record("vLLM plugin with CUDA graphs", same,
+               f"{len(ids)} requests: vLLM's own inline = plugin inline = stored; runs "
+               f"{runs['vllm'][1]:.0f} s / {runs['r3cache'][1]:.0f} s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--vllm", action="store_true",
+                        help="also run the vLLM plugin end to end (needs vLLM with CUDA)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -269,6 +319,8 @@ def main() -> int:
         static_x, graph = torch.randn(args.tokens, 1024), None
     check_connector(device, stack, capturer, static_x, graph, args.steps, args.requests)
     check_overlap(device, stack, capturer, static_x, graph, args.steps)
+    if args.vllm:
+        check_vllm()
     failed = [check for check, ok, _ in RESULTS if not ok]
     print(f"{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed in "
           f"{time.perf_counter() - began:.1f} s" + (f"; FAILED: {failed}" if failed else ""))

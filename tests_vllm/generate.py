@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="let vLLM capture CUDA graphs (on a GPU; eager otherwise)")
     parser.add_argument("--shutdown-redis", type=int, default=None, metavar="PORT",
                         help="shut the Redis at PORT down after the first round")
     args = parser.parse_args()
@@ -42,7 +44,7 @@ def main() -> None:
 
     llm = LLM(model=args.model, dtype="bfloat16", block_size=32, max_model_len=1024,
               enable_prefix_caching=True, enable_return_routed_experts=True, max_num_seqs=8,
-              max_num_batched_tokens=512, enforce_eager=True, seed=0)
+              max_num_batched_tokens=512, enforce_eager=not args.cuda_graphs, seed=0)
     prompts = json.loads(Path(args.prompts).read_text())
     # Greedy, except that samples of one request (n > 1) are drawn, seeded.
     params = SamplingParams(max_tokens=args.max_tokens, n=args.n, ignore_eos=True,

@@ -284,9 +284,6 @@ class VllmWorkerConnector:
             list(input_batch.req_ids), input_batch.num_computed_tokens_np[:n],
             input_batch.query_start_loc_np[: n + 1]))
 
-    def process_output(self, pending):
-        return self.worker.process_output(pending)
-
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()

