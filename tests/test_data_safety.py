@@ -545,7 +545,8 @@ def test_bad_command_lines_get_one_line_and_exit_2(redis_url, namespace, tmp_pat
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "se#cret" not in result.stderr and "se" + "#" not in result.stderr
     assert "cret-pw" not in result.stderr
-    shown = " ".join(args).replace(redis_url, "URL").replace(namespace, "NS")
+    shown = (" ".join(args).replace(redis_url, "URL").replace(namespace, "NS")
+             .replace(str(tmp_path / "out"), "OUT"))
     reliability(f"command line `r3cache {shown.replace('se#cret-pw', 'PASSWORD#')}`",
                 "one run", "exit 2, one line, no traceback, no secret",
                 result.stderr.strip().replace("|", "/")[:140])
