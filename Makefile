@@ -8,14 +8,15 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-vllm bench lint
 
 # torch is an extra: the CPU build (pinned, so no multi-GB CUDA build is pulled) goes in
-# only where the environment has none.
+# only where the environment has none, before anything that depends on torch.
 TORCH_CPU ?= torch==2.13.0
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# First, so that megatron-core (dev extras) finds it rather than pulling a CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_CPU)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,200 @@
+"""Megatron-Core router replay fed from r3cache: recorded routes in, the routers' own replay.
+
+Megatron-Core's ``TopKRouter`` (``moe_enable_routing_replay=True``) owns a ``RouterReplay``
+that, under ``REPLAY_FORWARD``, uses target indices ``[local_tokens, topk]`` instead of its
+own top-k. This module builds those targets from routes read with ``R3Reader`` — one
+array ``(num_tokens - 1, layers, topk)`` per sequence, the rows of positions ``0 ..
+num_tokens - 2`` — in the token order the router sees:
+
+- sequence-major: hidden states are ``[s, b, h]``, so token ``(position p, sample i)`` is
+  row ``p * b + i`` of a padded batch; a packed (THD) batch is the sequences one after the
+  other, at offsets ``cu_seqlens``;
+- the sequence-parallel share of the token axis: with sequence parallelism a tensor-parallel
+  rank routes only its ``1 / tp_size`` chunk of the sequence dimension;
+- the router's layer: ``layers="all"`` when the routes hold every decoder layer (vLLM and
+  SGLang capture dense layers too), ``"moe"`` when they hold MoE layers only;
+- int64.
+
+Positions the routes do not cover (a sequence's last token, which never ran through the
+inference engine, and padding) get the filler ``0 .. topk-1``: valid, distinct experts
+whose outputs no loss uses. Every mismatch is a ReplayError naming the sequence, raised
+before any target is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from r3cache.errors import ReplayError
+
+
+@dataclass
+class ReplayBatch:
+    """Where a training batch's tokens sit: a padded ``[s, b]`` batch or a packed one.
+
+    Padded: ``seq_len`` (s) with the samples along b. Packed (THD): ``cu_seqlens``, the
+    offsets of the sequences in the token axis (padded offsets, where Megatron pads each
+    sequence). ``names`` identify the sequences in errors (e.g. their request ids).
+    """
+
+    seq_len: int | None = None
+    cu_seqlens: Sequence[int] | None = None
+    names: Sequence[str] | None = None
+
+
+def moe_routers(model: Any) -> list[Any]:
+    """The model's routers that can replay, in layer order."""
+    routers = [m for m in model.modules() if hasattr(m, "router_replay")
+               and hasattr(m, "topk") and hasattr(m, "routing")]
+    if not routers:
+        raise ReplayError("the model has no MoE routers (Megatron-Core TopKRouter)")
+    missing = [r for r in routers if r.router_replay is None]
+    if missing:
+        raise ReplayError("routing replay is off: build the model with "
+                          "TransformerConfig(moe_enable_routing_replay=True)")
+    if any(getattr(r.config, "moe_router_fusion", False) for r in routers):
+        raise ReplayError("moe_router_fusion=True: the fused router ignores replay; turn it "
+                          "off for R3")
+    return sorted(routers, key=lambda r: getattr(r, "layer_number", 0) or 0)
+
+
+def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: ReplayBatch,
+                   *, layers: str = "all", tp_rank: int = 0, tp_size: int = 1
+                   ) -> list[np.ndarray]:
+    """Each router's target indices ``[local_tokens, topk]`` (int64), in ``routers`` order."""
+    if layers not in ("all", "moe"):
+        raise ReplayError(f"layers must be 'all' or 'moe', not {layers!r}")
+    names = list(batch.names) if batch.names is not None else [f"#{i}" for i in range(len(routes))]
+    if len(names) != len(routes):
+        raise ReplayError(f"{len(names)} names for {len(routes)} sequences")
+    topk = {int(r.topk) for r in routers}
+    if len(topk) != 1:
+        raise ReplayError(f"routers disagree on top-k: {sorted(topk)}")
+    (k,) = topk
+    columns = _columns(routers, layers)
+    for name, rows in zip(names, routes):
+        rows = np.asarray(rows)
+        if rows.ndim != 3 or rows.shape[2] != k:
+            raise ReplayError(f"routes of {name!r} have shape {rows.shape}, expected "
+                              f"(tokens, layers, {k})")
+        if columns and max(columns) >= rows.shape[1]:
+            raise ReplayError(f"routes of {name!r} hold {rows.shape[1]} layers; the model's "
+                              f"routers need layer {max(columns)} ({layers!r} layers)")
+    grid = _token_grid(routes, batch, names)  # (tokens, sequence index, position) sources
+    tokens = len(grid[0])
+    if tp_size < 1 or not 0 <= tp_rank < tp_size or tokens % tp_size:
+        raise ReplayError(f"{tokens} tokens cannot be split over tp_size={tp_size} "
+                          f"(rank {tp_rank})")
+    share = slice(tp_rank * tokens // tp_size, (tp_rank + 1) * tokens // tp_size)
+    seq_of, pos_of = grid[0][share], grid[1][share]
+    covered = seq_of >= 0
+    targets = []
+    for column in columns:
+        out = np.broadcast_to(np.arange(k, dtype=np.int64), (len(seq_of), k)).copy()
+        for i, rows in enumerate(routes):
+            mine = covered & (seq_of == i)
+            if mine.any():
+                out[mine] = np.asarray(rows)[pos_of[mine], column]
+        targets.append(out)
+    return targets
+
+
+def _columns(routers: Sequence[Any], layers: str) -> list[int]:
+    if layers == "moe":
+        return list(range(len(routers)))
+    numbers = [getattr(r, "layer_number", None) for r in routers]
+    if any(n is None or n < 1 for n in numbers):
+        raise ReplayError("a router has no layer_number; pass layers='moe' to map routers to "
+                          "the routes' layers in order")
+    return [n - 1 for n in numbers]
+
+
+def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[str]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """For every token of the router's (sequence-major) axis: its sequence and position
+    in the routes, or -1 where no recorded row covers it."""
+    n = len(routes)
+    lengths = [len(r) for r in routes]
+    if (batch.seq_len is None) == (batch.cu_seqlens is None):
+        raise ReplayError("give ReplayBatch either seq_len (padded [s, b]) or cu_seqlens "
+                          "(packed THD)")
+    if batch.seq_len is not None:
+        s = int(batch.seq_len)
+        for name, length in zip(names, lengths):
+            if length > s - 1:
+                raise ReplayError(f"routes of {name!r} cover {length} tokens; a sequence of "
+                                  f"{s} positions holds at most {s - 1} recorded rows")
+        position = np.repeat(np.arange(s), n)  # token p * b + i
+        sequence = np.tile(np.arange(n), s)
+    else:
+        offsets = np.asarray(batch.cu_seqlens, dtype=np.int64)
+        if len(offsets) != n + 1 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+            raise ReplayError(f"cu_seqlens must be {n + 1} non-decreasing offsets from 0, "
+                              f"got {list(offsets)}")
+        spans = np.diff(offsets)
+        for name, length, span in zip(names, lengths, spans):
+            if length > span - 1:
+                raise ReplayError(f"routes of {name!r} cover {length} tokens; its packed "
+                                  f"span of {span} holds at most {span - 1}")
+        sequence = np.repeat(np.arange(n), spans)
+        position = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], spans)
+    covered = position < np.asarray(lengths)[sequence]
+    return np.where(covered, sequence, -1), position
+
+
+@dataclass
+class Replay:
+    """Own the replay set on a model's routers while a ``router_replay`` block runs."""
+
+    routers: list[Any]
+
+    def recompute(self) -> None:
+        """Before a backward pass that recomputes the forward (activation checkpointing):
+        the recompute takes the same targets again, in order."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for router in self.routers:
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+
+@contextmanager
+def router_replay(model: Any, routes: Sequence[np.ndarray], batch: ReplayBatch, *,
+                  layers: str = "all", tp_rank: int | None = None,
+                  tp_size: int | None = None, device: Any = None) -> Iterator[Replay]:
+    """Force the model's routers onto ``routes`` for the forward passes inside the block.
+
+    ``tp_rank`` / ``tp_size`` default to Megatron's tensor-parallel group where the
+    routers' config has ``sequence_parallel``, else the whole token axis. Targets and
+    actions are cleared on exit, also on error.
+    """
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = moe_routers(model)
+    if tp_size is None:
+        tp_rank, tp_size = _sequence_parallel_share(routers[0].config)
+    targets = replay_targets(routers, routes, batch, layers=layers, tp_rank=tp_rank or 0,
+                             tp_size=tp_size)
+    try:
+        for router, target in zip(routers, targets):
+            router.router_replay.set_target_indices(torch.from_numpy(target).to(device))
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        yield Replay(routers)
+    finally:
+        for router in routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+
+
+def _sequence_parallel_share(config: Any) -> tuple[int, int]:
+    if not getattr(config, "sequence_parallel", False):
+        return 0, 1
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())

@@ -1,0 +1,176 @@
+"""Routes read from r3cache replayed by real Megatron-Core routers (megatron-core, on the CPU).
+
+The stack: three decoder layers, MoE - dense - MoE, each MoE layer a Megatron ``TopKRouter``
+(8 experts, top-2) with routing replay. Its gating weights are applied here, because
+``TopKRouter.gating`` moves its weight to CUDA; the routing itself — scores, top-k, and the
+replay of recorded indices — is Megatron's own ``TopKRouter.routing``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+with warnings.catch_warnings():  # no Transformer Engine or Apex on the CPU: torch fallbacks
+    warnings.simplefilter("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+from r3cache import R3Reader, RoutingLayout
+from r3cache.errors import ReplayError
+from r3cache.integrations.megatron import ReplayBatch, replay_targets, router_replay
+from r3cache.sim import SimConfig, SimRequest, simulate
+from r3cache.testing import free_port
+
+HIDDEN, EXPERTS, TOPK = 32, 8, 2
+LAYOUT = RoutingLayout(num_layers=3, topk=TOPK, num_experts=EXPERTS, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def process_groups():
+    """Megatron's parallel state on one gloo process (tensor parallel size 1)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield ProcessGroupCollection.use_mpu_process_groups()
+    parallel_state.destroy_model_parallel()
+
+
+class Stack(torch.nn.Module):
+    """MoE, dense, MoE: Megatron TopKRouters at decoder layers 1 and 3."""
+
+    def __init__(self, process_groups, **config) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = TransformerConfig(
+            num_layers=3, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=EXPERTS,
+            moe_router_topk=TOPK, moe_enable_routing_replay=True, use_cpu_initialization=True,
+            moe_router_load_balancing_type="none", add_bias_linear=False, **config)
+        self.routers = torch.nn.ModuleList(
+            TopKRouter(config=self.config, pg_collection=process_groups) for _ in range(2))
+        for router, number in zip(self.routers, (1, 3)):
+            router.set_layer_number(number)
+        self.dense = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.mix = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
+
+    def forward(self, hidden):
+        """hidden: [s, b, h]. Returns each router's routing map, [s * b, experts]."""
+        maps = []
+        for i, router in enumerate(self.routers):
+            if i == 1:
+                hidden = torch.tanh(self.dense(hidden))
+            logits = hidden @ router.weight.t()
+            _, routing_map = router.routing(logits)
+            maps.append(routing_map)
+            hidden = torch.tanh(self.mix[i](hidden))
+        return maps
+
+
+def _recorded(redis_url, namespace, lengths):
+    """Routes of requests the simulator served through r3cache, read back by request id."""
+    workload = [SimRequest(f"req-{i}", list(range(100 + i, 100 + i + n // 2)),
+                           list(range(500 + i, 500 + i + n - n // 2)))
+                for i, n in enumerate(lengths)]
+    report = simulate(workload, LAYOUT, SimConfig(keep_manifests=True), store_url=redis_url,
+                      namespace=namespace)
+    assert report.failures == []
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        return [r.req_id for r in workload], reader.get_many([r.req_id for r in workload])
+
+
+def _chosen(routing_map: torch.Tensor) -> list[set[int]]:
+    return [set(np.flatnonzero(row).tolist()) for row in routing_map.numpy()]
+
+
+def _expected(routes, column, positions):
+    """The experts each (sequence, position) token must use: recorded, or the filler."""
+    out = []
+    for seq, pos in positions:
+        rows = routes[seq]
+        out.append(set(rows[pos, column].tolist()) if pos < len(rows) else set(range(TOPK)))
+    return out
+
+
+def test_a_padded_batch_replays_the_recorded_experts_layer_by_layer(
+        process_groups, redis_url, namespace):
+    ids, routes = _recorded(redis_url, namespace, [9, 14, 6])
+    stack = Stack(process_groups)
+    s, b = 16, 3
+    hidden = torch.randn(s, b, HIDDEN)
+    own = stack(hidden)
+    with router_replay(stack, routes, ReplayBatch(seq_len=s, names=ids)):
+        replayed = stack(hidden)
+    positions = [(i, p) for p in range(s) for i in range(b)]  # sequence-major: row p * b + i
+    for router_maps, column in zip(replayed, (0, 2)):  # decoder layers 1 and 3
+        assert _chosen(router_maps) == _expected(routes, column, positions)
+    assert any(_chosen(a) != _chosen(c) for a, c in zip(own, replayed))  # replay changed them
+    # The same targets in batch-major order (the classic slip) replay other experts.
+    wrong = [(i, p) for i in range(b) for p in range(s)]
+    assert _chosen(replayed[0]) != _expected(routes, 0, wrong)
+    # Cleared on exit: the routers route by themselves again.
+    assert [_chosen(m) for m in stack(hidden)] == [_chosen(m) for m in own]
+
+
+def test_a_packed_thd_batch_replays_each_sequence_at_its_offset(
+        process_groups, redis_url, namespace):
+    ids, routes = _recorded(redis_url, namespace, [9, 14, 6])
+    stack = Stack(process_groups)
+    spans = [12, 16, 8]  # each sequence padded to a multiple of 4, as Megatron packs
+    cu_seqlens = np.concatenate(([0], np.cumsum(spans)))
+    hidden = torch.randn(int(cu_seqlens[-1]), 1, HIDDEN)
+    with router_replay(stack, routes, ReplayBatch(cu_seqlens=cu_seqlens, names=ids)):
+        replayed = stack(hidden)
+    positions = [(i, p) for i, span in enumerate(spans) for p in range(span)]
+    for router_maps, column in zip(replayed, (0, 2)):
+        assert _chosen(router_maps) == _expected(routes, column, positions)
+
+
+def test_sequence_parallel_ranks_each_replay_their_chunk(process_groups, redis_url, namespace):
+    ids, routes = _recorded(redis_url, namespace, [9, 14, 6])
+    stack = Stack(process_groups)
+    s, b, tp = 16, 3, 2
+    full = torch.randn(s, b, HIDDEN)
+    positions = [(i, p) for p in range(s) for i in range(b)]
+    for rank in range(tp):  # what each rank of a tensor-parallel group routes
+        chunk = full[rank * s // tp : (rank + 1) * s // tp]
+        with router_replay(stack, routes, ReplayBatch(seq_len=s, names=ids), tp_rank=rank,
+                           tp_size=tp):
+            replayed = stack(chunk)
+        mine = positions[rank * s * b // tp : (rank + 1) * s * b // tp]
+        assert _chosen(replayed[1]) == _expected(routes, 2, mine)
+
+
+def test_routes_of_moe_layers_only_map_to_routers_in_order(process_groups, redis_url, namespace):
+    ids, routes = _recorded(redis_url, namespace, [9, 6])
+    moe_only = [r[:, [0, 2]] for r in routes]  # what a trainer keeps of all-layer routes
+    stack = Stack(process_groups)
+    targets = replay_targets(list(stack.routers), moe_only, ReplayBatch(seq_len=12, names=ids),
+                             layers="moe")
+    full = replay_targets(list(stack.routers), routes, ReplayBatch(seq_len=12, names=ids))
+    assert all(np.array_equal(a, c) for a, c in zip(targets, full))
+    assert all(t.dtype == np.int64 for t in targets)
+
+
+def _refused(stack, routes, batch, match: str) -> None:
+    with pytest.raises(ReplayError, match=match), router_replay(stack, routes, batch):
+        pass
+
+
+def test_mismatches_are_refused_before_any_target_is_set(process_groups, redis_url, namespace):
+    ids, routes = _recorded(redis_url, namespace, [9, 14])
+    stack = Stack(process_groups)
+    # 13 recorded rows do not fit a sequence of 10 positions.
+    _refused(stack, routes, ReplayBatch(seq_len=10, names=ids), "req-1")
+    _refused(stack, [r[..., :1] for r in routes], ReplayBatch(seq_len=16), "shape")
+    _refused(stack, [r[:, :2] for r in routes], ReplayBatch(seq_len=16), "layers")
+    assert all(r.router_replay.target_topk_idx is None for r in stack.routers)
+    _refused(Stack(process_groups, moe_router_fusion=True), routes, ReplayBatch(seq_len=16),
+             "fusion")
