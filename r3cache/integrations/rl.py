@@ -1,0 +1,106 @@
+"""Routes from ``R3Reader`` in the batch conventions of verl, NeMo-RL and slime.
+
+Each converter takes the arrays ``R3Reader.get_many`` returns — one ``(num_tokens - 1,
+layers, topk)`` array per sequence, rows for positions ``0 .. num_tokens - 2`` (read with
+``prompt_start=0``) — and is a pure function of them. ``layers`` keeps a subset of the
+layer axis (vLLM and SGLang record every decoder layer; a trainer may want MoE layers only).
+Errors are ContractError naming the sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from r3cache.errors import ContractError
+
+
+def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None) -> list[np.ndarray]:
+    out = []
+    for i, rows in enumerate(routes):
+        rows = np.asarray(rows)
+        if rows.ndim != 3:
+            raise ContractError(f"routes of sequence {i} have shape {rows.shape}, expected "
+                                "(tokens, layers, topk)")
+        out.append(rows if layers is None else rows[:, list(layers)])
+    return out
+
+
+def to_verl(routes: Sequence[np.ndarray], seq_len: int, *,
+            offsets: Sequence[int] | None = None,
+            layers: Sequence[int] | None = None) -> np.ndarray:
+    """verl's ``routed_experts`` batch key: int16 ``[bs, seq_len, layers, topk]``.
+
+    verl (0.9, ``actor.megatron.router_replay.mode=R3``) aligns routes with the tokens of
+    prompt + response: row ``j`` of sequence ``i`` sits at ``offsets[i] + j`` (the
+    sequence's first token, e.g. after verl's left padding of prompts; default 0), and
+    the row of the last token, which the inference engine never ran, is padded with 0, as
+    are padding positions.
+    """
+    rows = _checked(routes, layers)
+    offsets = [0] * len(rows) if offsets is None else list(offsets)
+    if len(offsets) != len(rows):
+        raise ContractError(f"{len(offsets)} offsets for {len(rows)} sequences")
+    if not rows:
+        return np.zeros((0, seq_len, 0, 0), np.int16)
+    _, num_layers, topk = rows[0].shape
+    if any(r.max(initial=0) > np.iinfo(np.int16).max for r in rows):
+        raise ContractError("expert IDs do not fit verl's int16 routed_experts")
+    out = np.zeros((len(rows), seq_len, num_layers, topk), np.int16)
+    for i, (r, at) in enumerate(zip(rows, offsets)):
+        if r.shape[1:] != (num_layers, topk):
+            raise ContractError(f"sequence {i} has routes of shape {r.shape[1:]}, the first "
+                                f"{(num_layers, topk)}")
+        if at < 0 or at + len(r) + 1 > seq_len:
+            raise ContractError(f"sequence {i}: {len(r) + 1} tokens at offset {at} do not fit "
+                                f"seq_len {seq_len}")
+        out[i, at : at + len(r)] = r
+    return out
+
+
+def nemo_rl_dtype(num_experts: int) -> np.dtype:
+    """The narrowest signed dtype NeMo-RL takes for expert IDs (it uses -1 as a sentinel)."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if num_experts - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise ContractError(f"{num_experts} experts do not fit int32")
+
+
+def to_nemo_rl(routes: Sequence[np.ndarray], num_experts: int, *, seq_len: int | None = None,
+               layers: Sequence[int] | None = None) -> np.ndarray | list[np.ndarray]:
+    """NeMo-RL's ``routed_experts`` (``policy.router_replay.enabled``).
+
+    One ``[T, layers, topk]`` array per sequence covering all ``T = num_tokens`` tokens
+    (``seq_len=None``), or one ``[B, seq_len, layers, topk]`` batch; in the narrowest
+    signed dtype for ``num_experts``, with ``-1`` on rows no route covers (each sequence's
+    last token, padding).
+    """
+    rows = _checked(routes, layers)
+    dtype = nemo_rl_dtype(num_experts)
+    full = []
+    for r in rows:
+        if r.size and int(r.max()) >= num_experts:
+            raise ContractError(f"expert IDs up to {int(r.max())} for {num_experts} experts")
+        padded = np.full((len(r) + 1, *r.shape[1:]), -1, dtype)
+        padded[: len(r)] = r
+        full.append(padded)
+    if seq_len is None:
+        return full
+    if not full:
+        return np.zeros((0, seq_len, 0, 0), dtype)
+    out = np.full((len(full), seq_len, *full[0].shape[1:]), -1, dtype)
+    for i, f in enumerate(full):
+        if len(f) > seq_len:
+            raise ContractError(f"sequence {i} has {len(f)} tokens, seq_len is {seq_len}")
+        out[i, : len(f)] = f
+    return out
+
+
+def to_slime(rows: np.ndarray, num_tokens: int) -> np.ndarray:
+    """slime's ``Sample.rollout_routed_experts``: int32 ``[len(tokens) - 1, layers, topk]``."""
+    (rows,) = _checked([rows], None)
+    if len(rows) != num_tokens - 1:
+        raise ContractError(f"{len(rows)} rows for a sample of {num_tokens} tokens (slime "
+                            f"expects {num_tokens - 1})")
+    return rows.astype(np.int32)

@@ -1,0 +1,65 @@
+"""Routes read back from Redis in verl, NeMo-RL and slime conventions (documented shapes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3cache import R3Reader, RoutingLayout
+from r3cache.errors import ContractError
+from r3cache.integrations.rl import nemo_rl_dtype, to_nemo_rl, to_slime, to_verl
+from r3cache.sim import SimConfig, SimRequest, simulate
+
+LAYOUT = RoutingLayout(num_layers=4, topk=2, num_experts=64, block_size=4)
+
+
+@pytest.fixture
+def recorded(redis_url, namespace):
+    """Three requests served through r3cache; their token counts and routes read back."""
+    workload = [SimRequest(f"r{i}", list(range(10 + i, 10 + i + 5 + i)), list(range(7 + 2 * i)))
+                for i in range(3)]
+    assert simulate(workload, LAYOUT, SimConfig(keep_manifests=True), store_url=redis_url,
+                    namespace=namespace).failures == []
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        routes = reader.get_many([r.req_id for r in workload])
+    return [len(r.prompt) + len(r.output) for r in workload], routes
+
+
+def test_verl_batches_are_int16_aligned_to_prompt_and_response(recorded):
+    lengths, routes = recorded
+    offsets = [3, 1, 0]  # left padding of the prompts
+    batch = to_verl(routes, seq_len=30, offsets=offsets)
+    assert batch.shape == (3, 30, 4, 2) and batch.dtype == np.int16
+    for i, (n, rows, at) in enumerate(zip(lengths, routes, offsets)):
+        assert len(rows) == n - 1
+        np.testing.assert_array_equal(batch[i, at : at + n - 1], rows)
+        assert not batch[i, at + n - 1].any() and not batch[i, :at].any()  # padded with 0
+    moe = to_verl(routes, seq_len=30, layers=[1, 3])
+    np.testing.assert_array_equal(moe[0, : lengths[0] - 1], routes[0][:, [1, 3]])
+    with pytest.raises(ContractError, match="sequence 2"):
+        to_verl(routes, seq_len=lengths[2] - 1)
+
+
+def test_nemo_rl_uses_the_narrowest_signed_dtype_and_minus_one(recorded):
+    lengths, routes = recorded
+    assert [nemo_rl_dtype(e) for e in (64, 128, 129, 40000)] == \
+        [np.int8, np.int8, np.int16, np.int32]
+    flat = to_nemo_rl(routes, 64)
+    for n, rows, out in zip(lengths, routes, flat):
+        assert out.shape == (n, 4, 2) and out.dtype == np.int8
+        np.testing.assert_array_equal(out[:-1], rows)
+        assert (out[-1] == -1).all()
+    batch = to_nemo_rl(routes, 64, seq_len=32, layers=[0, 2])
+    assert batch.shape == (3, 32, 2, 2)
+    assert (batch[0, lengths[0] - 1 :] == -1).all()
+    with pytest.raises(ContractError, match="experts"):
+        to_nemo_rl(routes, 8)
+
+
+def test_slime_samples_take_len_tokens_minus_one_int32_rows(recorded):
+    lengths, routes = recorded
+    out = to_slime(routes[1], lengths[1])
+    assert out.dtype == np.int32 and out.shape == (lengths[1] - 1, 4, 2)
+    np.testing.assert_array_equal(out, routes[1])
+    with pytest.raises(ContractError, match="slime"):
+        to_slime(routes[1], lengths[1] + 1)
