@@ -41,9 +41,6 @@ class Completion(NamedTuple):
 
     prompt_start: int
     num_tokens: int
-    # The id the manifest is recorded under, where it is not the engine's own request id
-    # (vLLM's engine core knows a request by an internal id; its caller by another).
-    record_as: str | None = None
 
     @property
     def num_rows(self) -> int:

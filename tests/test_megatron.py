@@ -8,23 +8,14 @@ replay of recorded indices — is Megatron's own ``TopKRouter.routing``.
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import numpy as np
 import pytest
 import torch
 
-with warnings.catch_warnings():  # no Transformer Engine or Apex on the CPU: torch fallbacks
-    warnings.simplefilter("ignore")
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
 from r3cache import R3Reader, RoutingLayout
 from r3cache.errors import ReplayError
 from r3cache.integrations.megatron import ReplayBatch, replay_targets, router_replay
+from r3cache.integrations.megatron_stack import moe_stack, process_groups
 from r3cache.sim import SimConfig, SimRequest, simulate
 from r3cache.testing import free_port
 
@@ -33,45 +24,14 @@ LAYOUT = RoutingLayout(num_layers=3, topk=TOPK, num_experts=EXPERTS, block_size=
 
 
 @pytest.fixture(scope="module")
-def process_groups():
-    """Megatron's parallel state on one gloo process (tensor parallel size 1)."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield ProcessGroupCollection.use_mpu_process_groups()
-    parallel_state.destroy_model_parallel()
+def groups():
+    return process_groups(free_port())
 
 
-class Stack(torch.nn.Module):
+def Stack(groups, **config):
     """MoE, dense, MoE: Megatron TopKRouters at decoder layers 1 and 3."""
-
-    def __init__(self, process_groups, **config) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.config = TransformerConfig(
-            num_layers=3, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=EXPERTS,
-            moe_router_topk=TOPK, moe_enable_routing_replay=True, use_cpu_initialization=True,
-            moe_router_load_balancing_type="none", add_bias_linear=False, **config)
-        self.routers = torch.nn.ModuleList(
-            TopKRouter(config=self.config, pg_collection=process_groups) for _ in range(2))
-        for router, number in zip(self.routers, (1, 3)):
-            router.set_layer_number(number)
-        self.dense = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.mix = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
-
-    def forward(self, hidden):
-        """hidden: [s, b, h]. Returns each router's routing map, [s * b, experts]."""
-        maps = []
-        for i, router in enumerate(self.routers):
-            if i == 1:
-                hidden = torch.tanh(self.dense(hidden))
-            logits = hidden @ router.weight.t()
-            _, routing_map = router.routing(logits)
-            maps.append(routing_map)
-            hidden = torch.tanh(self.mix[i](hidden))
-        return maps
+    return moe_stack(groups, num_layers=3, moe_layers=(1, 3), hidden=HIDDEN, experts=EXPERTS,
+                     topk=TOPK, **config)
 
 
 def _recorded(redis_url, namespace, lengths):
@@ -100,9 +60,9 @@ def _expected(routes, column, positions):
 
 
 def test_a_padded_batch_replays_the_recorded_experts_layer_by_layer(
-        process_groups, redis_url, namespace):
+        groups, redis_url, namespace):
     ids, routes = _recorded(redis_url, namespace, [9, 14, 6])
-    stack = Stack(process_groups)
+    stack = Stack(groups)
     s, b = 16, 3
     hidden = torch.randn(s, b, HIDDEN)
     own = stack(hidden)
@@ -120,9 +80,9 @@ def test_a_padded_batch_replays_the_recorded_experts_layer_by_layer(
 
 
 def test_a_packed_thd_batch_replays_each_sequence_at_its_offset(
-        process_groups, redis_url, namespace):
+        groups, redis_url, namespace):
     ids, routes = _recorded(redis_url, namespace, [9, 14, 6])
-    stack = Stack(process_groups)
+    stack = Stack(groups)
     spans = [12, 16, 8]  # each sequence padded to a multiple of 4, as Megatron packs
     cu_seqlens = np.concatenate(([0], np.cumsum(spans)))
     hidden = torch.randn(int(cu_seqlens[-1]), 1, HIDDEN)
@@ -133,9 +93,9 @@ def test_a_packed_thd_batch_replays_each_sequence_at_its_offset(
         assert _chosen(router_maps) == _expected(routes, column, positions)
 
 
-def test_sequence_parallel_ranks_each_replay_their_chunk(process_groups, redis_url, namespace):
+def test_sequence_parallel_ranks_each_replay_their_chunk(groups, redis_url, namespace):
     ids, routes = _recorded(redis_url, namespace, [9, 14, 6])
-    stack = Stack(process_groups)
+    stack = Stack(groups)
     s, b, tp = 16, 3, 2
     full = torch.randn(s, b, HIDDEN)
     positions = [(i, p) for p in range(s) for i in range(b)]
@@ -148,13 +108,13 @@ def test_sequence_parallel_ranks_each_replay_their_chunk(process_groups, redis_u
         assert _chosen(replayed[1]) == _expected(routes, 2, mine)
 
 
-def test_routes_of_moe_layers_only_map_to_routers_in_order(process_groups, redis_url, namespace):
+def test_routes_of_moe_layers_only_map_to_routers_in_order(groups, redis_url, namespace):
     ids, routes = _recorded(redis_url, namespace, [9, 6])
     moe_only = [r[:, [0, 2]] for r in routes]  # what a trainer keeps of all-layer routes
-    stack = Stack(process_groups)
-    targets = replay_targets(list(stack.routers), moe_only, ReplayBatch(seq_len=12, names=ids),
+    stack = Stack(groups)
+    targets = replay_targets(stack.routers, moe_only, ReplayBatch(seq_len=12, names=ids),
                              layers="moe")
-    full = replay_targets(list(stack.routers), routes, ReplayBatch(seq_len=12, names=ids))
+    full = replay_targets(stack.routers, routes, ReplayBatch(seq_len=12, names=ids))
     assert all(np.array_equal(a, c) for a, c in zip(targets, full))
     assert all(t.dtype == np.int64 for t in targets)
 
@@ -164,13 +124,13 @@ def _refused(stack, routes, batch, match: str) -> None:
         pass
 
 
-def test_mismatches_are_refused_before_any_target_is_set(process_groups, redis_url, namespace):
+def test_mismatches_are_refused_before_any_target_is_set(groups, redis_url, namespace):
     ids, routes = _recorded(redis_url, namespace, [9, 14])
-    stack = Stack(process_groups)
+    stack = Stack(groups)
     # 13 recorded rows do not fit a sequence of 10 positions.
     _refused(stack, routes, ReplayBatch(seq_len=10, names=ids), "req-1")
     _refused(stack, [r[..., :1] for r in routes], ReplayBatch(seq_len=16), "shape")
     _refused(stack, [r[:, :2] for r in routes], ReplayBatch(seq_len=16), "layers")
     assert all(r.router_replay.target_topk_idx is None for r in stack.routers)
-    _refused(Stack(process_groups, moe_router_fusion=True), routes, ReplayBatch(seq_len=16),
+    _refused(Stack(groups, moe_router_fusion=True), routes, ReplayBatch(seq_len=16),
              "fusion")

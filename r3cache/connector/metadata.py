@@ -43,7 +43,8 @@ class StepMetadata:
     the first token position whose routed experts it is still owed.
     ``block_hashes`` holds only hashes not sent before, in block order.
     ``finished_requests`` are torn down (finished, aborted or preempted); those also
-    in ``completions`` finished for good, and their routes become a manifest.
+    in ``completions`` finished for good, and their routes become a manifest, recorded
+    under the request id or its ``record_as`` entry.
     """
 
     generation: int = 0
@@ -51,6 +52,9 @@ class StepMetadata:
     block_hashes: Mapping[str, Sequence[BlockHash]] = field(default_factory=dict)
     finished_requests: Collection[str] = ()
     completions: Mapping[str, Completion] = field(default_factory=dict)
+    # The id a completion's manifest is recorded under where it is not the engine's own
+    # (vLLM's engine core knows a request by an internal id, its caller by another).
+    record_as: Mapping[str, str] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.requests or self.block_hashes or self.finished_requests)

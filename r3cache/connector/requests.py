@@ -38,6 +38,7 @@ class RequestTable:
         self.unkeyed: dict[int, dict[int, np.ndarray]] = {}
         # Finished requests whose teardown writes a manifest: slot -> its extent.
         self.completion: dict[int, Completion] = {}
+        self.record_as: dict[int, str | None] = {}  # the id a manifest is recorded under
         self._free: list[int] = []
         self.capture = np.empty(0, np.int64)
         self.scheduled = np.empty(0, np.int64)
@@ -98,6 +99,7 @@ class RequestTable:
             self.keys[slot] = []
             self.unkeyed.pop(slot, None)
             self.completion.pop(slot, None)
+            self.record_as.pop(slot, None)
             self._free.append(slot)
 
     def live_slots(self) -> list[int]:

@@ -216,9 +216,10 @@ class WorkerConnector:
                 check_request_id(req_id)
         unknown = [r for r in (*metadata.block_hashes, *finished)
                    if r not in metadata.requests and r not in registered]
-        for completion in metadata.completions.values():
-            if completion.record_as is not None:
-                check_request_id(completion.record_as)
+        for req_id, name in metadata.record_as.items():
+            check_request_id(name)
+            if req_id not in metadata.completions:
+                raise MetadataError(f"record_as for {req_id!r}, which has no completion")
         if unknown:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
             raise MetadataError(f"request {unknown[0]!r} is not registered with the worker "
@@ -254,6 +255,7 @@ class WorkerConnector:
                 table.finished[slot] = True
                 if req_id in metadata.completions:
                     table.completion[slot] = metadata.completions[req_id]
+                    table.record_as[slot] = metadata.record_as.get(req_id)
                 if not table.inflight[slot]:
                     teardown.append(slot)
             self._teardown(teardown, objects, retain, release)
@@ -312,8 +314,8 @@ class WorkerConnector:
             head, keys, tail = self._spans(slot, lo, hi, {}, hi // bs)
             segments = [*map(self._segment, head), *(BlockRef(k, 0, bs) for k in keys),
                         *map(self._segment, tail)]
-        return Manifest(completion.record_as or table.req_id[slot], self.layout.fingerprint,
-                        completion, segments)
+        return Manifest(table.record_as.get(slot) or table.req_id[slot],
+                        self.layout.fingerprint, completion, segments)
 
     def _spans(self, slot: int, lo: int, hi: int, own, keyed_until: int,
                req_id: str | None = None) -> tuple[list, list[str], list]:

@@ -93,15 +93,14 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
     share = slice(tp_rank * tokens // tp_size, (tp_rank + 1) * tokens // tp_size)
     seq_of, pos_of = grid[0][share], grid[1][share]
     covered = seq_of >= 0
-    targets = []
-    for column in columns:
-        out = np.broadcast_to(np.arange(k, dtype=np.int64), (len(seq_of), k)).copy()
-        for i, rows in enumerate(routes):
-            mine = covered & (seq_of == i)
-            if mine.any():
-                out[mine] = np.asarray(rows)[pos_of[mine], column]
-        targets.append(out)
-    return targets
+    # One gather for every layer: the routers' columns of every covered token's row.
+    flat = np.concatenate([np.asarray(r)[:, columns] for r in routes])
+    starts = np.concatenate(([0], np.cumsum([len(r) for r in routes])[:-1]))
+    picked = flat[starts[seq_of[covered]] + pos_of[covered]].astype(np.int64)
+    out = np.empty((len(columns), len(seq_of), k), np.int64)
+    out[:] = np.arange(k)
+    out[:, covered] = picked.transpose(1, 0, 2)
+    return list(out)
 
 
 def _columns(routers: Sequence[Any], layers: str) -> list[int]:

@@ -176,9 +176,11 @@ def _metadata_class() -> type:
 
         @dataclass
         class R3ConnectorMetadata(AuxOutputConnectorMetadata):
-            """vLLM's step metadata and the requests that finished for good this step."""
+            """vLLM's step metadata, the requests that finished for good this step, and the
+            ids their manifests are recorded under."""
 
             completions: dict[str, Completion] = field(default_factory=dict)
+            record_as: dict[str, str] = field(default_factory=dict)
 
         R3ConnectorMetadata.__qualname__ = "R3ConnectorMetadata"
         _built["metadata"] = R3ConnectorMetadata
@@ -194,14 +196,16 @@ def _scheduler_connector_class(base):
         def __init__(self) -> None:
             super().__init__()
             self._completions: dict[str, Completion] = {}
+            self._record_as: dict[str, str] = {}
             self._inline = os.environ.get("R3CACHE_INLINE", "1").lower() not in ("0", "false",
                                                                                   "no")
 
         def build_connector_meta(self, scheduler_output, requests):
             meta = super().build_connector_meta(scheduler_output, requests)
             completions, self._completions = self._completions, {}
+            record_as, self._record_as = self._record_as, {}
             return metadata_class(meta.generation, meta.requests, meta.block_hashes,
-                                  meta.finished_requests, completions)
+                                  meta.finished_requests, completions, record_as)
 
         def request_finished(self, request) -> None:
             # Only a request the worker heard of gets a terminal event (and a manifest);
@@ -212,9 +216,9 @@ def _scheduler_connector_class(base):
                 params = request.sampling_params
                 start = min(getattr(params, "routed_experts_prompt_start", 0) or 0,
                             request.num_prompt_tokens)
-                self._completions[request.request_id] = Completion(
-                    start, request.num_tokens,
-                    getattr(request, "r3cache_id", None) or request.request_id)
+                self._completions[request.request_id] = Completion(start, request.num_tokens)
+                self._record_as[request.request_id] = (getattr(request, "r3cache_id", None)
+                                                       or request.request_id)
 
         def take_output(self, request, output):
             rows = super().take_output(request, output)
@@ -272,7 +276,8 @@ class VllmWorkerConnector:
         self.worker.begin_step(StepMetadata(
             metadata.generation, metadata.requests,
             {r: list(packed) for r, packed in metadata.block_hashes.items()},
-            metadata.finished_requests, getattr(metadata, "completions", {})))
+            metadata.finished_requests, getattr(metadata, "completions", {}),
+            getattr(metadata, "record_as", {})))
 
     def prepare_output(self, input_batch):
         from r3cache.connector.metadata import StepBatch
