@@ -8,6 +8,8 @@ replay of recorded indices — is Megatron's own ``TopKRouter.routing``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,26 @@ def test_mismatches_are_refused_before_any_target_is_set(groups, redis_url, name
     assert all(r.router_replay.target_topk_idx is None for r in stack.routers)
     _refused(Stack(groups, moe_router_fusion=True), routes, ReplayBatch(seq_len=16),
              "fusion")
+
+
+def _readme_block(after: str) -> str:
+    """The first ```python block of README.md after the line ``after``."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rest = readme[readme.index(after):]
+    start = rest.index("```python\n") + len("```python\n")
+    return rest[start : rest.index("```", start)]
+
+
+def test_the_readme_training_snippets_run_as_written(groups, redis_url, namespace):
+    request_ids, routes = _recorded(redis_url, namespace, [9, 14, 6])
+    seq_len = 16
+    context = {"url": redis_url, "namespace": namespace, "request_ids": request_ids,
+               "model": Stack(groups), "seq_len": seq_len, "num_experts": EXPERTS,
+               "hidden_states": torch.randn(seq_len, len(request_ids), HIDDEN)}
+    exec(_readme_block("### Training with Megatron-Core"), context)
+    positions = [(i, p) for p in range(seq_len) for i in range(len(request_ids))]
+    assert _chosen(context["routing_maps"][1]) == _expected(routes, 2, positions)
+    exec(_readme_block("The RL frameworks' batch conventions"), context)
+    assert context["verl_batch"].shape == (3, seq_len, 3, TOPK)
+    assert context["nemo_batch"].dtype == np.int8
+    np.testing.assert_array_equal(context["slime_rows"], routes[0])
