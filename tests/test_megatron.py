@@ -16,7 +16,12 @@ import torch
 
 from r3cache import R3Reader, RoutingLayout
 from r3cache.errors import ReplayError
-from r3cache.integrations.megatron import ReplayBatch, replay_targets, router_replay
+from r3cache.integrations.megatron import (
+    ReplayBatch,
+    iter_replay_targets,
+    replay_targets,
+    router_replay,
+)
 from r3cache.integrations.megatron_stack import moe_stack, process_groups
 from r3cache.sim import SimConfig, SimRequest, simulate
 from r3cache.testing import free_port
@@ -159,3 +164,31 @@ def test_the_readme_training_snippets_run_as_written(groups, redis_url, namespac
     assert context["verl_batch"].shape == (3, seq_len, 3, TOPK)
     assert context["nemo_batch"].dtype == np.int8
     np.testing.assert_array_equal(context["slime_rows"], routes[0])
+
+
+def test_batches_read_ahead_convert_to_the_same_targets(groups, redis_url, namespace):
+    ids, routes = _recorded(redis_url, namespace, [9, 14, 6, 11])
+    stack = Stack(groups)
+    batches = [ids[:3], ids[3:]]
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        got = list(iter_replay_targets(reader, batches, stack.routers))
+    for names, (batch_routes, targets) in zip(batches, got):
+        mine = [routes[ids.index(n)] for n in names]
+        assert all(np.array_equal(a, b) for a, b in zip(batch_routes, mine))
+        expected = replay_targets(stack.routers, mine,
+                                  ReplayBatch(seq_len=max(map(len, mine)) + 1))
+        assert all(np.array_equal(a, b) for a, b in zip(targets, expected))
+
+
+@pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])
+def test_the_trainer_script_replays_demo_rollouts_exactly(request, backend, namespace):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "trainer_megatron.py"
+    result = subprocess.run(
+        [sys.executable, str(script), request.getfixturevalue(backend), "--namespace", namespace,
+         "--prompts", "2", "--samples", "3", "--layers", "4"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("100.00 % of tokens on the recorded experts") == 4

@@ -93,14 +93,35 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
     share = slice(tp_rank * tokens // tp_size, (tp_rank + 1) * tokens // tp_size)
     seq_of, pos_of = grid[0][share], grid[1][share]
     covered = seq_of >= 0
-    # One gather for every layer: the routers' columns of every covered token's row.
-    flat = np.concatenate([np.asarray(r)[:, columns] for r in routes])
+    # One gather of every covered token's row, in the stored dtype, then one widening copy
+    # into the routers' int64 targets; the filler goes only where no row is recorded.
+    flat = np.concatenate([np.asarray(r) for r in routes])
     starts = np.concatenate(([0], np.cumsum([len(r) for r in routes])[:-1]))
-    picked = flat[starts[seq_of[covered]] + pos_of[covered]].astype(np.int64)
+    picked = flat[starts[seq_of[covered]] + pos_of[covered]]
+    if columns != list(range(flat.shape[1])):
+        picked = picked[:, columns]
     out = np.empty((len(columns), len(seq_of), k), np.int64)
-    out[:] = np.arange(k)
+    out[:, ~covered] = np.arange(k)
     out[:, covered] = picked.transpose(1, 0, 2)
     return list(out)
+
+
+def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: Sequence[Any],
+                        *, layers: str = "all", tp_rank: int = 0, tp_size: int = 1
+                        ) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
+    """(routes, targets) for each batch of request ids, padded to its longest sequence;
+    the next batch is read from the store while this one is converted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="r3cache-megatron") as pool:
+        ahead = pool.submit(reader.get_many, batches[0]) if batches else None
+        for at, names in enumerate(batches):
+            routes = ahead.result()
+            if at + 1 < len(batches):
+                ahead = pool.submit(reader.get_many, batches[at + 1])
+            batch = ReplayBatch(seq_len=max(map(len, routes)) + 1, names=names)
+            yield routes, replay_targets(routers, routes, batch, layers=layers,
+                                         tp_rank=tp_rank, tp_size=tp_size)
 
 
 def _columns(routers: Sequence[Any], layers: str) -> list[int]:
