@@ -210,6 +210,27 @@ class RedisClusterProcesses:
         self.stop()
 
 
+@contextlib.contextmanager
+def machine_redis(prefix: str, url: str | None = None):
+    """The URL of the Redis that answers at ``url`` (``R3CACHE_TEST_REDIS``, else
+    127.0.0.1:6379), or of a spawned redis-server; on exit, the keys and registrations of
+    namespaces named ``prefix*`` on the former are deleted."""
+    url = url or os.environ.get("R3CACHE_TEST_REDIS", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    except redis.exceptions.RedisError:
+        with RedisServer() as server:
+            yield server.url
+        return
+    yield url
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter(match=f"r3:{prefix}*", count=1000):
+        client.delete(key)
+    for name in client.smembers("r3:namespaces"):
+        if name.startswith(prefix.encode()):
+            client.srem("r3:namespaces", name)
+
+
 def main(argv: list[str]) -> int:
     kind = argv[0] if argv else "cluster"
     runner = RedisClusterProcesses() if kind == "cluster" else RedisServer()

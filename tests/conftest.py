@@ -6,13 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 
 from r3cache import RoutingLayout, StepBatch, StepMetadata, WorkerConnector
 from r3cache.hashing import block_hashes
 from r3cache.sim import oracle_rows
 from r3cache.store.memory import MemoryBlockStore
-from r3cache.testing import RedisClusterProcesses, RedisServer
+from r3cache.testing import RedisClusterProcesses, machine_redis
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
@@ -91,33 +90,14 @@ def async_harness(layout) -> Harness:
 # -- real Redis servers ---------------------------------------------------------------
 
 
-def _machine_redis() -> str | None:
-    url = os.environ.get("R3CACHE_TEST_REDIS", "redis://127.0.0.1:6379/0")
-    try:
-        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
-    except redis.exceptions.RedisError:
-        return None
-    return url
-
-
 @pytest.fixture(scope="session")
 def redis_url():
     """A standalone Redis: the machine's (127.0.0.1:6379), or a spawned redis-server.
 
     Every test namespace starts with ``test-``; their keys are deleted at the end.
     """
-    url = _machine_redis()
-    if url is None:
-        with RedisServer() as server:
-            yield server.url
-        return
-    yield url
-    client = redis.Redis.from_url(url)
-    for key in client.scan_iter(match="r3:test-*", count=1000):
-        client.delete(key)
-    for name in client.smembers("r3:namespaces"):
-        if name.startswith(b"test-"):
-            client.srem("r3:namespaces", name)
+    with machine_redis("test-") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 
-from r3cache.testing import RedisClusterProcesses, RedisServer
+from r3cache.testing import RedisClusterProcesses, machine_redis
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -50,17 +49,8 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def redis_url():
-    url = "redis://127.0.0.1:6379/0"
-    try:
-        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
-    except redis.exceptions.RedisError:
-        with RedisServer() as server:
-            yield server.url
-        return
-    yield url
-    client = redis.Redis.from_url(url)
-    for key in client.scan_iter(match="r3:test-vllm-*", count=1000):
-        client.delete(key)
+    with machine_redis("test-vllm-") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
