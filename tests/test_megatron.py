@@ -22,7 +22,7 @@ from r3cache.integrations.megatron import (
     replay_targets,
     router_replay,
 )
-from r3cache.integrations.megatron_stack import moe_stack, process_groups
+from r3cache.integrations.megatron_stack import chosen, moe_stack, process_groups
 from r3cache.sim import SimConfig, SimRequest, simulate
 from r3cache.testing import free_port
 
@@ -192,3 +192,34 @@ def test_the_trainer_script_replays_demo_rollouts_exactly(request, backend, name
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("100.00 % of tokens on the recorded experts") == 4
+
+
+def test_routes_captured_from_a_transformers_model_replay_in_megatron(groups, redis_url,
+                                                                      namespace):
+    """A tiny Qwen3-MoE computes the routes (router hooks, capturer, connector, Redis);
+    Megatron routers of the same width then route every recorded token the same way."""
+    from r3cache.models import ModelRoutes, tiny_model
+
+    routes_source = ModelRoutes(tiny_model("qwen3-moe-tiny", num_layers=2), 512, block_size=4)
+    layout = routes_source.layout
+    workload = [SimRequest(f"m{i}", list(range(5 + i, 25 + i)), list(range(40, 48 + i)))
+                for i in range(3)]
+    try:
+        report = simulate(workload, layout, SimConfig(keep_manifests=True), store_url=redis_url,
+                          namespace=namespace, routes=routes_source)
+    finally:
+        routes_source.close()
+    assert report.failures == []
+    ids = [r.req_id for r in workload]
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        routes = reader.get_many(ids)
+    stack = moe_stack(groups, num_layers=layout.num_layers,
+                      moe_layers=range(1, layout.num_layers + 1), hidden=HIDDEN,
+                      experts=layout.num_experts, topk=layout.topk)
+    s = max(map(len, routes)) + 1
+    with router_replay(stack, routes, ReplayBatch(seq_len=s, names=ids)):
+        maps = stack(torch.randn(s, len(ids), HIDDEN))
+    for i, rows in enumerate(routes):
+        for layer, routing_map in enumerate(maps):
+            got = chosen(routing_map)[np.arange(len(rows)) * len(ids) + i]
+            np.testing.assert_array_equal(got, np.sort(rows[:, layer], axis=-1))
