@@ -7,7 +7,13 @@ import pytest
 
 from r3cache import R3Reader, RoutingLayout
 from r3cache.errors import ContractError
-from r3cache.integrations.rl import nemo_rl_dtype, to_nemo_rl, to_slime, to_verl
+from r3cache.integrations.rl import (
+    nemo_rl_dtype,
+    to_nemo_rl,
+    to_slime,
+    to_verl,
+    verl_agent_loop_routes,
+)
 from r3cache.sim import SimConfig, SimRequest, simulate
 
 LAYOUT = RoutingLayout(num_layers=4, topk=2, num_experts=64, block_size=4)
@@ -22,11 +28,11 @@ def recorded(redis_url, namespace):
                     namespace=namespace).failures == []
     with R3Reader(redis_url, namespace=namespace) as reader:
         routes = reader.get_many([r.req_id for r in workload])
-    return [len(r.prompt) + len(r.output) for r in workload], routes
+    return [len(r.prompt) + len(r.output) for r in workload], routes, (redis_url, namespace)
 
 
 def test_verl_batches_are_int16_aligned_to_prompt_and_response(recorded):
-    lengths, routes = recorded
+    lengths, routes, _ = recorded
     offsets = [3, 1, 0]  # left padding of the prompts
     batch = to_verl(routes, seq_len=30, offsets=offsets)
     assert batch.shape == (3, 30, 4, 2) and batch.dtype == np.int16
@@ -41,7 +47,7 @@ def test_verl_batches_are_int16_aligned_to_prompt_and_response(recorded):
 
 
 def test_nemo_rl_uses_the_narrowest_signed_dtype_and_minus_one(recorded):
-    lengths, routes = recorded
+    lengths, routes, _ = recorded
     assert [nemo_rl_dtype(e) for e in (64, 128, 129, 40000)] == \
         [np.int8, np.int8, np.int16, np.int32]
     flat = to_nemo_rl(routes, 64)
@@ -57,9 +63,18 @@ def test_nemo_rl_uses_the_narrowest_signed_dtype_and_minus_one(recorded):
 
 
 def test_slime_samples_take_len_tokens_minus_one_int32_rows(recorded):
-    lengths, routes = recorded
+    lengths, routes, _ = recorded
     out = to_slime(routes[1], lengths[1])
     assert out.dtype == np.int32 and out.shape == (lengths[1] - 1, 4, 2)
     np.testing.assert_array_equal(out, routes[1])
     with pytest.raises(ContractError, match="slime"):
         to_slime(routes[1], lengths[1] + 1)
+
+
+def test_a_verl_agent_loop_gets_one_rollouts_routes_by_request_id(recorded):
+    lengths, routes, (url, namespace) = recorded
+    with R3Reader(url, namespace=namespace) as reader:
+        out = verl_agent_loop_routes(reader, "r2", lengths[2])
+    assert out.shape == (lengths[2], 4, 2) and out.dtype == np.int16
+    np.testing.assert_array_equal(out[:-1], routes[2])
+    assert not out[-1].any()

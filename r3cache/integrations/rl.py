@@ -59,6 +59,15 @@ def to_verl(routes: Sequence[np.ndarray], seq_len: int, *,
     return out
 
 
+def verl_agent_loop_routes(reader, request_id: str, num_tokens: int, *,
+                           layers: Sequence[int] | None = None, wait: float = 5.0) -> np.ndarray:
+    """What a verl agent loop sets as ``AgentLoopOutput.routed_experts`` for one rollout:
+    the routes of ``request_id`` (its prompt + response, ``num_tokens`` tokens) read from
+    r3cache, int16 ``[num_tokens, layers, topk]``, the last row 0. ``wait`` covers the
+    moment between the engine's response and its manifest."""
+    return to_verl([reader.get(request_id, wait=wait)], num_tokens, layers=layers)[0]
+
+
 def nemo_rl_dtype(num_experts: int) -> np.dtype:
     """The narrowest signed dtype NeMo-RL takes for expert IDs (it uses -1 as a sentinel)."""
     for dtype in (np.int8, np.int16, np.int32):
