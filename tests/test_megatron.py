@@ -223,3 +223,14 @@ def test_routes_captured_from_a_transformers_model_replay_in_megatron(groups, re
         for layer, routing_map in enumerate(maps):
             got = chosen(routing_map)[np.arange(len(rows)) * len(ids) + i]
             np.testing.assert_array_equal(got, np.sort(rows[:, layer], axis=-1))
+
+
+def test_a_recomputed_forward_replays_the_same_experts_again(groups, redis_url, namespace):
+    ids, routes = _recorded(redis_url, namespace, [9, 6])
+    stack = Stack(groups)
+    hidden = torch.randn(12, 2, HIDDEN)
+    with router_replay(stack, routes, ReplayBatch(seq_len=12, names=ids)) as replay:
+        first = stack(hidden)
+        replay.recompute()  # activation checkpointing: the backward recomputes the forward
+        again = stack(torch.randn(12, 2, HIDDEN))  # other activations, same recorded routes
+    assert [_chosen(m) for m in again] == [_chosen(m) for m in first]
