@@ -32,6 +32,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import xxhash
 
+from r3cache.connector.metadata import StepBatch, StepMetadata
 from r3cache.connector.worker import WorkerConnector
 from r3cache.errors import ContractError, IntegrationError
 from r3cache.layout import RoutingLayout
@@ -268,8 +269,6 @@ class VllmWorkerConnector:
         self._metadata_seen = False
 
     def begin_step(self, metadata) -> None:
-        from r3cache.connector.metadata import StepMetadata
-
         self._metadata_seen = metadata is not None
         if self.worker is None or metadata is None:
             return
@@ -280,8 +279,6 @@ class VllmWorkerConnector:
             getattr(metadata, "record_as", {})))
 
     def prepare_output(self, input_batch):
-        from r3cache.connector.metadata import StepBatch
-
         if self.worker is None or not self._metadata_seen:
             return None  # a dummy or profiling run
         n = len(input_batch.req_ids)
