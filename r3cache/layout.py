@@ -9,6 +9,8 @@ import numpy as np
 from r3cache.errors import LayoutError, LayoutMismatchError
 
 _FINGERPRINT_VERSION = "r3l1"
+# Up to this many expert IDs, strided compares beat copying the topk columns out first.
+_FEW_IDS = 4096
 _MAX_EXPERTS = 1 << 31  # int32, the widest storage dtype, holds IDs up to 2**31 - 1
 
 
@@ -104,8 +106,11 @@ class RoutingLayout:
         """
         if not len(rows):
             return None
-        # Storage dtypes other than int32 are unsigned: no ID can be negative.
-        if int(rows.max()) >= self.num_experts or (rows.dtype.kind == "i" and int(rows.min()) < 0):
+        # Storage dtypes other than int32 are unsigned: no ID can be negative. ufunc
+        # reductions directly: a decode step checks a few rows, where each call's own
+        # overhead is the cost.
+        if (int(np.maximum.reduce(rows, axis=None)) >= self.num_experts
+                or (rows.dtype.kind == "i" and int(np.minimum.reduce(rows, axis=None)) < 0)):
             return f"expert IDs outside 0..{self.num_experts - 1}"
         if repeats_an_expert(rows):
             return "a row names the same expert twice"
@@ -127,5 +132,9 @@ def repeats_an_expert(rows: np.ndarray) -> bool:
     much as few bytes: the reader runs this on a helper thread, and each call takes the
     GIL back from the thread that is reading the next blocks.
     """
+    if rows.size <= _FEW_IDS:
+        # A decode step's few rows: strided compares cost less than making columns.
+        return any(bool((rows[..., i + 1 :] == rows[..., i, None]).any())
+                   for i in range(rows.shape[-1] - 1))
     columns = np.ascontiguousarray(np.moveaxis(rows, -1, 0))
     return any(bool((columns[i + 1 :] == columns[i]).any()) for i in range(len(columns) - 1))

