@@ -52,14 +52,19 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--layers", type=int, default=48, help="oracle layout: MoE layers")
     demo.add_argument("--topk", type=int, default=8, help="oracle layout: experts per token")
     demo.add_argument("--experts", type=int, default=128, help="oracle layout: experts")
-    demo.add_argument("--block-size", type=int, default=16)
+    demo.add_argument("--block-size", type=int, default=16,
+                      help="tokens per stored block, the KV block size (default: %(default)s)")
     demo.add_argument("--spec-tokens", type=int, default=3, help="draft tokens per decode step")
-    demo.add_argument("--async-depth", type=int, default=2, choices=(1, 2))
-    demo.add_argument("--max-num-seqs", type=int, default=64)
-    demo.add_argument("--max-batched-tokens", type=int, default=2048)
+    demo.add_argument("--async-depth", type=int, default=2, choices=(1, 2),
+                      help="steps in flight before the oldest is processed (default: %(default)s)")
+    demo.add_argument("--max-num-seqs", type=int, default=64,
+                      help="most requests running at once (default: %(default)s)")
+    demo.add_argument("--max-batched-tokens", type=int, default=2048,
+                      help="most tokens in one engine step (default: %(default)s)")
     demo.add_argument("--kv-blocks", type=int, default=512,
                       help="KV cache pool in blocks; small enough to force preemptions")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seed of the workload, the sampler and the tiny model (default: 0)")
     demo.set_defaults(func=_run_demo)
 
 
@@ -138,6 +143,9 @@ def _format_report(report: SimReport, layout: RoutingLayout, url: str, seconds: 
     return "\n".join(lines)
 
 
+_NAMESPACE_HELP = "the namespace the engine wrote to (r3cache inspect URL lists them)"
+
+
 def _gc_parser(sub: argparse._SubParsersAction) -> None:
     gc = sub.add_parser(
         "gc",
@@ -193,7 +201,7 @@ def _block_parser(sub: argparse._SubParsersAction) -> None:
     )
     block.add_argument("url", help="redis://, rediss://, unix:// or redis+cluster:// URL")
     block.add_argument("block_hash", help="the block's hash, as in r3:NS:b:{HASH}")
-    block.add_argument("--namespace", required=True)
+    block.add_argument("--namespace", required=True, help=_NAMESPACE_HELP)
     block.add_argument("--out", help="write the rows to this .npy file")
     block.set_defaults(func=_run_block)
 
@@ -238,7 +246,8 @@ def _read_parsers(sub: argparse._SubParsersAction) -> None:
         "layout, block and manifest counts, bytes used, pinned vs idle blocks, and live "
         "and dead owners. It scans keys (SCAN, never KEYS): fine for a look, not a loop.")
     inspect.add_argument("url", help=url_help)
-    inspect.add_argument("--namespace")
+    inspect.add_argument("--namespace",
+                         help="one namespace in detail (default: one line per namespace)")
     inspect.set_defaults(func=_run_inspect)
 
     get = sub.add_parser(
@@ -247,8 +256,8 @@ def _read_parsers(sub: argparse._SubParsersAction) -> None:
         "(num_tokens - 1 - prompt_start, num_layers, topk). .safetensors needs the "
         "'safetensors' package (pip install 'r3cache[cli]').")
     get.add_argument("url", help=url_help)
-    get.add_argument("request_id")
-    get.add_argument("--namespace", required=True)
+    get.add_argument("request_id", help="the id the rollout response carries")
+    get.add_argument("--namespace", required=True, help=_NAMESPACE_HELP)
     get.add_argument("--out", required=True, help="routes.npy or routes.safetensors")
     get.add_argument("--dtype", default=None, help="e.g. int32 or int64 (default: stored)")
     get.set_defaults(func=_run_get)
@@ -259,9 +268,10 @@ def _read_parsers(sub: argparse._SubParsersAction) -> None:
         "position and the request id's safe characters) and DIR/index.json mapping each "
         "request id to its file, prompt_start and token count.")
     export.add_argument("url", help=url_help)
-    export.add_argument("--namespace", required=True)
+    export.add_argument("--namespace", required=True, help=_NAMESPACE_HELP)
     export.add_argument("--out", required=True, help="directory to create or fill")
-    export.add_argument("--dtype", default=None)
+    export.add_argument("--dtype", default=None,
+                        help="e.g. int32 or int64 (default: stored)")
     export.add_argument("--batch", type=_positive, default=16, help="requests per read")
     export.set_defaults(func=_run_export)
 
@@ -271,8 +281,9 @@ def _read_parsers(sub: argparse._SubParsersAction) -> None:
         "request or every recorded request of the namespace, and draws layers x experts.")
     plot.add_argument("url", help=url_help)
     plot.add_argument("request_id", nargs="?", help="one request (default: the namespace)")
-    plot.add_argument("--namespace", required=True)
-    plot.add_argument("--out", required=True, help="load.png")
+    plot.add_argument("--namespace", required=True, help=_NAMESPACE_HELP)
+    plot.add_argument("--out", required=True, metavar="PNG",
+                      help="image file to write, e.g. load.png")
     plot.set_defaults(func=_run_plot)
 
 
@@ -390,6 +401,7 @@ def _run_plot(args: argparse.Namespace) -> int:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.colors import TwoSlopeNorm
     except ImportError:
         raise SystemExit("plot needs matplotlib: pip install 'r3cache[cli]'") from None
     from r3cache.reader import R3Reader
@@ -404,12 +416,19 @@ def _run_plot(args: argparse.Namespace) -> int:
                     load[layer] += np.bincount(rows[:, layer].ravel(),
                                                minlength=layout.num_experts)
     figure, axes = plt.subplots(figsize=(10, 0.12 * layout.num_layers + 2))
-    image = axes.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
+    # Load against a uniform router (every expert topk/num_experts of a layer's
+    # routings): 1 is balanced, whatever the token count, so near-uniform load looks
+    # near-uniform instead of stretched over the data's own range.
+    uniform = max(load.sum() / load.size, 1e-12)
+    relative = load / uniform
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(float(relative.max()), 1.0 + 1e-6))
+    image = axes.imshow(relative, aspect="auto", cmap="RdBu_r", norm=norm,
+                        interpolation="nearest")
     axes.set_xlabel("expert")
     axes.set_ylabel("layer")
     what = args.request_id or f"{len(ids)} requests"
     axes.set_title(f"expert load per layer: {args.namespace}, {what}")
-    figure.colorbar(image, ax=axes, label="tokens routed")
+    figure.colorbar(image, ax=axes, label="load / uniform load (1 = balanced)")
     figure.tight_layout()
     figure.savefig(args.out, dpi=100)
     print(f"{what}: {int(load.sum())} routings over {layout.num_layers} layers -> {args.out}")

@@ -24,6 +24,24 @@ def test_demo_help_explains_the_options():
     assert "--store" in result.stdout and "GRPO" in result.stdout
 
 
+def test_every_argument_of_every_subcommand_says_what_it_is():
+    import argparse
+
+    from r3cache.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) >= {"demo", "gc", "block", "inspect", "get", "export", "plot"}
+    for name, command in sub.choices.items():
+        assert command.description, name
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            what = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            # Real words, not a bare example value such as "load.png".
+            assert action.help and len(action.help.split()) >= 3, what
+
+
 def test_block_decodes_one_stored_block(redis_url, namespace, tmp_path):
     import numpy as np
 
