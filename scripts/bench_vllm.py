@@ -40,19 +40,22 @@ def _prompts() -> list[str]:
     return [f"{SYSTEM} " + " ".join(f"w{300 + 20 * g + i}" for i in range(20)) for g in range(8)]
 
 
-def _timed(cls, names, sink, per_step=None):
-    """Wrap ``cls``'s methods ``names`` to add their wall time to ``sink``."""
+def _timed(cls, names, phases, per_step=None):
+    """Wrap ``cls``'s methods ``names`` to add their wall time to the current step's entry
+    in ``phases`` (one dict per engine step, by method name); ``per_step`` opens a step."""
     for name in names:
         original = getattr(cls, name)
 
         def wrapper(self, *args, __original=original, __name=name, **kwargs):
+            if __name == per_step:
+                phases.append({})
             began = time.perf_counter()
             try:
                 return __original(self, *args, **kwargs)
             finally:
-                sink[-1] += time.perf_counter() - began
-                if __name == per_step:
-                    sink.append(0.0)
+                if phases:
+                    step = phases[-1]
+                    step[__name] = step.get(__name, 0.0) + time.perf_counter() - began
 
         setattr(cls, name, wrapper)
 
@@ -61,24 +64,23 @@ def run_one(model: str, out: str) -> None:
     """One engine in this process: generate, report tokens/s and connector time per step."""
     import numpy as np
 
-    steps: list[float] = [0.0]
+    phases: list[dict[str, float]] = []
     capture = os.environ.get("BENCH_CAPTURE", "1") == "1"
     if capture and os.environ.get("R3CACHE_URL"):
         from r3cache.connector.worker import PendingOutput
         from r3cache.integrations.vllm import VllmWorkerConnector
 
-        _timed(VllmWorkerConnector, ("prepare_output",), steps)
-        _timed(VllmWorkerConnector, ("begin_step",), steps, per_step="begin_step")
-        _timed(PendingOutput, ("enqueue_cpu_copy", "process_output"), steps)
+        _timed(VllmWorkerConnector, ("begin_step", "prepare_output"), phases, "begin_step")
+        _timed(PendingOutput, ("enqueue_cpu_copy", "process_output"), phases)
     elif capture:
         from vllm.distributed.aux_output_connector.worker import (
             AuxOutputWorkerConnector,
             PendingAuxOutput,
         )
 
-        _timed(AuxOutputWorkerConnector, ("prepare_output", "process_output"), steps)
-        _timed(AuxOutputWorkerConnector, ("begin_step",), steps, per_step="begin_step")
-        _timed(PendingAuxOutput, ("enqueue_cpu_copy",), steps)
+        _timed(AuxOutputWorkerConnector, ("begin_step", "prepare_output", "process_output"),
+               phases, "begin_step")
+        _timed(PendingAuxOutput, ("enqueue_cpu_copy",), phases)
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="bfloat16", block_size=32, max_model_len=1024,
@@ -87,17 +89,21 @@ def run_one(model: str, out: str) -> None:
     max_tokens = int(os.environ.get("BENCH_MAX_TOKENS", "64"))
     params = SamplingParams(max_tokens=max_tokens, n=4, temperature=1.0, seed=0, ignore_eos=True)
     llm.generate(_prompts()[:2], params, use_tqdm=False)  # warm-up
-    steps[:] = [0.0]
+    phases.clear()
     began = time.perf_counter()
     outputs = llm.generate(_prompts(), params, use_tqdm=False)
     seconds = time.perf_counter() - began
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    # The first timed call of a step is its begin_step; the last entry is an open step.
-    per_step = [s * 1e3 for s in steps[1:-1] if s > 0]
+    # Whole steps only: a step is begin_step through process_output (the last one may be
+    # open, and steps without a forward run begin_step alone).
+    full = [p for p in phases[:-1] if "process_output" in p]
+    names = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
     Path(out).write_text(json.dumps({
         "tokens_per_s": tokens / seconds,
-        "connector_ms": float(np.median(per_step)) if per_step else 0.0,
-        "steps": len(per_step)}))
+        "connector_ms": float(np.median([sum(p.values()) for p in full])) * 1e3 if full else 0.0,
+        "phase_us": {n: round(float(np.median([p.get(n, 0.0) for p in full])) * 1e6, 1)
+                     for n in names} if full else {},
+        "steps": len(full)}))
     del llm
 
 
@@ -165,6 +171,11 @@ def main() -> int:
         ms_ratio = np.median([r["connector_ms"] / b["connector_ms"]
                               for r, b in zip(runs, reference)])
         print(f"{name:26s} {tps:9.1f} {tps_ratio:8.2f}x {ms:12.3f} {ms_ratio:8.2f}x")
+    print("\nmedian us per step: begin_step / prepare_output / enqueue_cpu_copy / process_output")
+    for name, runs in results.items():
+        if runs[0]["phase_us"]:
+            medians = [np.median([r["phase_us"][n] for r in runs]) for n in runs[0]["phase_us"]]
+            print(f"{name:26s} " + " / ".join(f"{m:.0f}" for m in medians))
     return 0
 
 

@@ -362,3 +362,20 @@ def test_contract_checks_survive_python_dash_o(tmp_path):
     result = subprocess.run([sys.executable, "-O", str(script)], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "raised"
+
+
+def test_counts_are_read_when_the_step_is_processed_not_when_handed_over(harness):
+    # vLLM hands enqueue_cpu_copy host arrays that its copy stream is still filling;
+    # they hold the step's counts only once the copy event fired, before process_output.
+    h = harness
+    h.add("a", TOKENS)
+    h.add("b", OTHER)
+    h.begin({"a": 0, "b": 0})
+    pending = h.prepare([("a", 0, 5), ("b", 0, 5)])
+    sampled, rejected = np.zeros(2, np.int32), np.full(2, 5, np.int32)  # not yet copied
+    pending.enqueue_cpu_copy(sampled, rejected)
+    sampled[:] = [1, 1]
+    rejected[:] = [0, 2]  # the copy landed: b's last two draft tokens were rejected
+    out = h.worker.process_output(pending)
+    assert_output(out["a"], h, "a", 0, 5)
+    assert_output(out["b"], h, "b", 0, 3)

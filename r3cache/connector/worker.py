@@ -69,7 +69,12 @@ class PendingOutput:
 
     def enqueue_cpu_copy(self, num_sampled: Any, num_rejected: Any) -> None:
         """Hand over the step's sampled and rejected token counts, one per request, and
-        start the asynchronous host copy of a capturer snapshot."""
+        start the asynchronous host copy of a capturer snapshot.
+
+        Their entries are only read by process_output: an engine may pass host arrays
+        that its copy stream is still filling (vLLM does), complete once the step's copy
+        event fires, which is before it calls process_output.
+        """
         n = len(self.req_ids)
         self.num_sampled = _counts(num_sampled, n, "num_sampled")
         self.num_rejected = _counts(num_rejected, n, "num_rejected")
@@ -85,17 +90,25 @@ class PendingOutput:
             self.routed_experts = self.host_copy.result()
 
 
-def _integers(values: Any, name: str, n: int | None = None) -> np.ndarray:
-    """The first ``n`` of ``values`` as a flat int64 array of its own; anything but
-    integers is refused, not truncated."""
-    array = np.asarray(values).reshape(-1)
+def _integer_array(values: Any, name: str) -> np.ndarray:
+    """``values`` as a flat array of integers, without reading the entries (an engine's
+    host buffer may still be filling); anything but integers is refused, not truncated."""
+    array = np.asarray(values)
+    if array.ndim != 1:
+        array = array.reshape(-1)
     if array.size and array.dtype.kind not in "iu":
         raise InvalidBatchError(f"{name} must hold integers, got {array.dtype}")
-    return array[:n].astype(np.int64)
+    return array
+
+
+def _integers(values: Any, name: str, n: int | None = None, copy: bool = True) -> np.ndarray:
+    """The first ``n`` of ``values`` as int64, a copy of its own unless ``copy`` is false."""
+    return _integer_array(values, name)[:n].astype(np.int64, copy=copy)
 
 
 def _counts(values: Any, n: int, name: str) -> np.ndarray:
-    array = _integers(values, name)
+    """One count per request, checked by shape and dtype only (see enqueue_cpu_copy)."""
+    array = _integer_array(values, name)
     if len(array) != n:
         raise InvalidBatchError(f"{name} has {len(array)} entries for {n} requests")
     return array
@@ -218,7 +231,7 @@ class WorkerConnector:
             if req_id not in registered:
                 check_request_id(req_id)
         req_ids = list(metadata.requests)
-        emit_starts = _integers(list(metadata.requests.values()), "emit starts")
+        emit_starts = _integers(list(metadata.requests.values()), "emit starts", copy=False)
         slots = None if reset else self._check_emit_starts(req_ids, emit_starts)
         unknown = [r for r in (*metadata.block_hashes, *finished)
                    if r not in metadata.requests and r not in registered]
@@ -274,7 +287,10 @@ class WorkerConnector:
         """
         table = self._table
         slots = table.find(req_ids)
-        ahead = (slots >= 0) & (table.inflight[slots] == 0) & (emit_starts > table.emit[slots])
+        ahead = emit_starts > table.emit[slots]
+        if not ahead.any():
+            return slots  # the common case, one compare (a slot of -1 reads any row)
+        ahead &= (slots >= 0) & (table.inflight[slots] == 0)
         if table.finishing:
             ahead &= [s not in table.finishing for s in slots.tolist()]
         if ahead.any():
@@ -461,7 +477,7 @@ class WorkerConnector:
         qsl, counts = pending.query_start_loc, pending.counts
         row0 = qsl[:-1]
         rows = pending.routed_experts
-        rejected = pending.num_rejected
+        sampled, rejected = pending.num_sampled, pending.num_rejected
         spec = bool(rejected.any())
         if spec:
             bad = (rejected < 0) | (rejected > counts)
@@ -508,7 +524,7 @@ class WorkerConnector:
         own = self._capture(slots, start, end, row0, rows, req, offset, kept if one_each else None)
 
         emit = table.emit[slots]
-        owed = (pending.num_sampled > 0) & (emit <= end)
+        owed = (sampled > 0) & (emit <= end)
         table.emit[slots] = np.where(owed, end, emit)
         direct = owed & (emit >= start)
         all_direct = bool(direct.all())
