@@ -134,7 +134,7 @@ def repeats_an_expert(rows: np.ndarray) -> bool:
     """
     if rows.size <= _FEW_IDS:
         # A decode step's few rows: strided compares cost less than making columns.
-        return any(bool((rows[..., i + 1 :] == rows[..., i, None]).any())
+        return any(np.count_nonzero(rows[:, :, i + 1 :] == rows[:, :, i : i + 1])
                    for i in range(rows.shape[-1] - 1))
     columns = np.ascontiguousarray(np.moveaxis(rows, -1, 0))
     return any(bool((columns[i + 1 :] == columns[i]).any()) for i in range(len(columns) - 1))

@@ -22,13 +22,13 @@ class RequestTable:
     - ``emit``: first position whose rows the request is still owed;
     - ``owned_from``: first position this incarnation captured itself; rows
       before it (a prefix hit) only ever come from the store;
-    - ``inflight``: steps prepared and not yet processed that cover the slot;
     - ``nkeys``: ``len(keys[slot])``, the full blocks whose hashes arrived.
 
     ``tail[slot]`` holds the rows of the block containing ``capture``; ``finishing`` the
-    slots whose teardown was requested and waits while ``inflight`` > 0 (few, so a set:
-    most steps check it is empty and nothing else). ``version`` changes whenever a name
-    is bound to or taken from a slot, so a batch's slots can be reused while it holds.
+    slots whose teardown was requested and waits for the in-flight steps that cover
+    them (few, so a set: most steps check it is empty and nothing else). ``version``
+    changes whenever a name is bound to or taken from a slot, so a batch's slots can be
+    reused while it holds.
     """
 
     def __init__(self, layout: RoutingLayout, capacity: int) -> None:
@@ -49,7 +49,6 @@ class RequestTable:
         self.scheduled = np.empty(0, np.int64)
         self.emit = np.empty(0, np.int64)
         self.owned_from = np.empty(0, np.int64)
-        self.inflight = np.empty(0, np.int64)
         self.nkeys = np.empty(0, np.int64)
         self.tail = np.empty((0, *layout.block_shape), layout.dtype)
         self._grow(max(1, capacity))
@@ -69,7 +68,6 @@ class RequestTable:
         self.scheduled[slot] = 0
         self.emit[slot] = emit_start
         self.owned_from[slot] = 0
-        self.inflight[slot] = 0
         self.nkeys[slot] = 0
         return slot
 
@@ -138,7 +136,7 @@ class RequestTable:
         extra = capacity - old
         self.req_id.extend([None] * extra)
         self.keys.extend([] for _ in range(extra))
-        for name in ("capture", "scheduled", "emit", "owned_from", "inflight", "nkeys"):
+        for name in ("capture", "scheduled", "emit", "owned_from", "nkeys"):
             column = getattr(self, name)
             setattr(self, name, np.concatenate((column, np.zeros(extra, column.dtype))))
         new_tails = np.zeros((extra, *self.layout.block_shape), self.layout.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class PendingOutput:
 
     __slots__ = (
         "connector", "req_ids", "slots", "token_starts", "query_start_loc", "counts",
-        "routed_experts", "snapshot", "host_copy", "num_sampled", "num_rejected",
+        "routed_experts", "snapshot", "host_copy", "num_sampled", "num_rejected", "_slot_set",
     )
 
     def __init__(self, connector, req_ids, slots, token_starts, query_start_loc, counts,
@@ -66,6 +67,7 @@ class PendingOutput:
         self.host_copy: Any = None
         self.num_sampled: np.ndarray | None = None
         self.num_rejected: np.ndarray | None = None
+        self._slot_set: set[int] | None = None
 
     def enqueue_cpu_copy(self, num_sampled: Any, num_rejected: Any) -> None:
         """Hand over the step's sampled and rejected token counts, one per request, and
@@ -84,6 +86,11 @@ class PendingOutput:
 
     def process_output(self) -> dict[str, RequestOutput]:
         return self.connector.process_output(self)
+
+    def covers(self, slot: int) -> bool:
+        if self._slot_set is None:
+            self._slot_set = set(self.slots.tolist())
+        return slot in self._slot_set
 
     def _await_copy(self) -> None:
         if self.routed_experts is None:
@@ -104,6 +111,14 @@ def _integer_array(values: Any, name: str) -> np.ndarray:
 def _integers(values: Any, name: str, n: int | None = None, copy: bool = True) -> np.ndarray:
     """The first ``n`` of ``values`` as int64, a copy of its own unless ``copy`` is false."""
     return _integer_array(values, name)[:n].astype(np.int64, copy=copy)
+
+
+def _int_list(values: Any, name: str) -> list[int]:
+    """``values`` as a list of Python ints; anything but integers is refused."""
+    out = list(values)
+    if set(map(type, out)) - {int}:  # plain ints, the common case, need no numpy call
+        out = _integer_array(out, name).tolist()
+    return out
 
 
 def _counts(values: Any, n: int, name: str) -> np.ndarray:
@@ -231,7 +246,7 @@ class WorkerConnector:
             if req_id not in registered:
                 check_request_id(req_id)
         req_ids = list(metadata.requests)
-        emit_starts = _integers(list(metadata.requests.values()), "emit starts", copy=False)
+        emit_starts = _int_list(metadata.requests.values(), "emit starts")
         slots = None if reset else self._check_emit_starts(req_ids, emit_starts)
         unknown = [r for r in (*metadata.block_hashes, *finished)
                    if r not in metadata.requests and r not in registered]
@@ -274,34 +289,37 @@ class WorkerConnector:
                 if req_id in metadata.completions:
                     table.completion[slot] = metadata.completions[req_id]
                     table.record_as[slot] = metadata.record_as.get(req_id)
-                if not table.inflight[slot]:
+                if not self._in_flight(slot):
                     teardown.append(slot)
             self._teardown(teardown, objects, retain, release)
 
-    def _check_emit_starts(self, req_ids: list[str], emit_starts: np.ndarray) -> np.ndarray:
+    def _in_flight(self, slot: int) -> bool:
+        """Whether a step prepared and not yet processed covers the slot."""
+        return any(p.covers(slot) for p in self._inflight)
+
+    def _check_emit_starts(self, req_ids: list[str], emit_starts: list[int]) -> list[int]:
         """A registered request's emit start never runs ahead of the worker's; returns the
         requests' slots (-1 where none).
 
         Only settled requests are checked: in-flight steps leave the worker behind the
-        scheduler. A request whose old incarnation is finishing registers afresh.
+        scheduler. A request whose old incarnation is finishing registers afresh. Per
+        request, in Python: a step's few hundred requests cost less so than numpy calls.
         """
         table = self._table
         slots = table.find(req_ids)
-        ahead = emit_starts > table.emit[slots]
-        if not ahead.any():
-            return slots  # the common case, one compare (a slot of -1 reads any row)
-        ahead &= (slots >= 0) & (table.inflight[slots] == 0)
-        if table.finishing:
-            ahead &= [s not in table.finishing for s in slots.tolist()]
-        if ahead.any():
-            i = int(np.argmax(ahead))
-            raise CursorError(
-                f"request {req_ids[i]!r}: scheduler emit start {int(emit_starts[i])} is "
-                f"ahead of the worker's {int(table.emit[slots[i]])}"
-            )
+        worker = table.emit[slots].tolist()
+        slots = slots.tolist()
+        if not any(map(operator.gt, emit_starts, worker)):
+            return slots
+        for i, (start, emit) in enumerate(zip(emit_starts, worker)):
+            # A slot of -1 reads some row: only known, settled slots count.
+            if (start > emit and slots[i] >= 0 and slots[i] not in table.finishing
+                    and not self._in_flight(slots[i])):
+                raise CursorError(f"request {req_ids[i]!r}: scheduler emit start {start} is "
+                                  f"ahead of the worker's {emit}")
         return slots
 
-    def _register(self, req_ids: list[str], emit_starts: np.ndarray, slots) -> None:
+    def _register(self, req_ids: list[str], emit_starts: list[int], slots) -> None:
         """Give each request that is not running yet a slot (running ones keep theirs).
 
         ``slots`` are the requests' slots found before the step changed anything, None
@@ -311,15 +329,15 @@ class WorkerConnector:
         if slots is None:
             new = range(len(req_ids))
         else:
-            new = (slots < 0).nonzero()[0].tolist()
+            new = [i for i, s in enumerate(slots) if s < 0] if -1 in slots else []
             if table.finishing:
                 # Resumed while the old incarnation's teardown waits on an in-flight step.
-                resumed = [i for i, s in enumerate(slots.tolist()) if s in table.finishing]
+                resumed = [i for i, s in enumerate(slots) if s in table.finishing]
                 for i in resumed:
-                    table.detach(int(slots[i]))
+                    table.detach(slots[i])
                 new += resumed
         for i in new:
-            table.add(req_ids[i], int(emit_starts[i]))
+            table.add(req_ids[i], emit_starts[i])
 
     def _collect_keyed(self, slot: int, objects: dict[str, np.ndarray]) -> None:
         """Move full blocks whose hash has now arrived from ``unkeyed`` into ``objects``."""
@@ -400,13 +418,13 @@ class WorkerConnector:
                 f"entries, got {len(qsl)} and {len(starts)}"
             )
         counts = qsl[1:] - qsl[:-1]
-        if n and counts.min() <= 0:
+        if n and min(counts.tolist()) <= 0:
             bad = int(np.argmax(counts <= 0))
             raise InvalidBatchError(
                 f"request {req_ids[bad]!r} has {int(counts[bad])} rows in the batch; "
                 "query_start_loc must increase (rows must not overlap)"
             )
-        if n and (qsl[0] < 0 or starts.min() < 0):
+        if n and (qsl[0] < 0 or min(starts.tolist()) < 0):
             raise InvalidBatchError("query_start_loc and num_computed_tokens must be >= 0")
         snapshot = None
         if routed_experts is None:
@@ -438,7 +456,6 @@ class WorkerConnector:
             if table.finishing and not table.finishing.isdisjoint(slots.tolist()):
                 bad = next(r for r, s in zip(req_ids, slots.tolist()) if s in table.finishing)
                 raise MetadataError(f"request {bad!r} finished and cannot run again")
-            table.inflight[slots] += 1
             pending = PendingOutput(self, req_ids, slots, starts, qsl, counts, routed_experts,
                                     snapshot)
             self._inflight.append(pending)
@@ -463,10 +480,9 @@ class WorkerConnector:
             finally:
                 self._inflight.popleft()
                 slots = pending.slots
-                table.inflight[slots] -= 1
                 if table.finishing:
                     done = [s for s in slots.tolist()
-                            if s in table.finishing and not table.inflight[s]]
+                            if s in table.finishing and not self._in_flight(s)]
                     if done:
                         self._teardown(done)
         return outputs
@@ -478,7 +494,7 @@ class WorkerConnector:
         row0 = qsl[:-1]
         rows = pending.routed_experts
         sampled, rejected = pending.num_sampled, pending.num_rejected
-        spec = bool(rejected.any())
+        spec = bool(np.count_nonzero(rejected))
         if spec:
             bad = (rejected < 0) | (rejected > counts)
             if bad.any():
@@ -506,10 +522,10 @@ class WorkerConnector:
         token_starts = pending.token_starts
         start = table.capture[slots]
         first = start == NO_CURSOR
-        any_first = bool(first.any())
+        any_first = bool(np.count_nonzero(first))
         if any_first:
             start = np.where(first, token_starts, start)
-        if (token_starts != start).any():
+        if np.count_nonzero(token_starts != start):
             self._check_cursors(pending, start, table.scheduled[slots])
         # Capture precedes speculative acceptance: rows past `valid` are discarded, and
         # after an optimistic suffix was rejected capture re-attaches at `start`.
@@ -521,22 +537,29 @@ class WorkerConnector:
         self.stats.steps += 1
         self.stats.rows_captured += len(kept)
 
-        own = self._capture(slots, start, end, row0, rows, req, offset, kept if one_each else None)
+        ends = end.tolist()
+        own = self._capture(slots, start, end, ends, row0, rows, req, offset,
+                            kept if one_each else None)
 
-        emit = table.emit[slots]
-        owed = (sampled > 0) & (emit <= end)
-        table.emit[slots] = np.where(owed, end, emit)
-        direct = owed & (emit >= start)
-        all_direct = bool(direct.all())
+        # Per request in Python, one pass: the few hundred requests of a step cost less so
+        # than a dozen numpy calls over them would.
         ids = pending.req_ids
-        lo, hi = (row0 + emit - start).tolist(), (row0 + valid).tolist()
-        emits = emit.tolist()
-        which = range(len(ids)) if all_direct else np.flatnonzero(direct).tolist()
-        outputs = {ids[i]: RequestOutput(emits[i], rows[lo[i] : hi[i]]) for i in which}
-        if not all_direct:
-            later = np.flatnonzero(owed & ~direct)
-            if len(later):
-                self._materialise(pending, later, emit, end, own, outputs)
+        old = table.emit[slots].tolist()
+        emits = list(old)
+        starts, firsts, kept = start.tolist(), row0.tolist(), valid.tolist()
+        outputs: dict[str, RequestOutput] = {}
+        later = []
+        for i, (e, a, z, n) in enumerate(zip(old, starts, ends, sampled.tolist())):
+            if n <= 0 or e > z:
+                continue  # owed nothing this step
+            emits[i] = z
+            if e >= a:
+                outputs[ids[i]] = RequestOutput(e, rows[firsts[i] + e - a : firsts[i] + kept[i]])
+            else:
+                later.append(i)  # owed rows from before this step's capture start
+        table.emit[slots] = emits
+        if later:
+            self._materialise(pending, later, old, ends, own, outputs)
         return outputs
 
     def _check_cursors(self, pending: PendingOutput, cursor, scheduled) -> None:
@@ -556,30 +579,36 @@ class WorkerConnector:
                 f"{int(cursor[i])} and step start {int(starts[i])}"
             )
 
-    def _capture(self, slots, start, end, row0, rows, req, offset, one_each=None
+    def _capture(self, slots, start, end, ends, row0, rows, req, offset, one_each=None
                  ) -> dict[tuple[int, int], np.ndarray]:
         """Write the step's valid rows into tails; publish or park the blocks they complete.
 
-        Vectorised over all rows of the step: no Python loop per token or request.
-        ``one_each`` holds the kept rows when every request kept exactly one (decode):
-        then each row lands in its request's tail and completes at most that block.
-        Returns the blocks completed here, by (slot, block index), for materialisation.
+        Vectorised over all rows of the step: no Python loop per token. ``one_each``
+        holds the kept rows when every request kept exactly one (decode): then each row
+        lands in its request's tail and completes at most that block. ``ends`` is
+        ``end`` as a list. Returns the blocks completed here, by (slot, block index),
+        for materialisation.
         """
         table = self._table
         bs = self.layout.block_size
         first_block = start // bs
-        end_block = end // bs  # block holding `end`: the tail after this step
         if one_each is not None:
             table.tail[slots, start % bs] = one_each
+            # A row completes its block when it is the block's last (`end` on a boundary).
+            done_first = [i for i, z in enumerate(ends) if z % bs == 0]
+            if not done_first:
+                return {}
+            done_first = np.array(done_first)
         elif len(req):
+            end_block = end // bs  # block holding `end`: the tail after this step
             pos = start[req] + offset
             src = row0[req] + offset
             in_first = (pos // bs) == first_block[req]
             table.tail[slots[req[in_first]], pos[in_first] % bs] = rows[src[in_first]]
+            # A block is done when the step's rows reach past it (no rows: end == start).
+            done_first = (end_block > first_block).nonzero()[0]
         else:
             return {}
-        # A block is done when the step's rows reach past it (no rows: end == start).
-        done_first = (end_block > first_block).nonzero()[0]
         # A first block this incarnation did not capture from its start is a prefix
         # hit: the store already has it, and its tail rows before owned_from are void.
         owned = first_block[done_first] * bs >= table.owned_from[slots[done_first]]
@@ -641,16 +670,16 @@ class WorkerConnector:
                 located.append((source, a, b))
             return located
 
-        for i in later.tolist():
+        for i in later:
             slot = int(pending.slots[i])
             # Whole blocks before this incarnation's capture exist only in the store.
-            head, keys, tail = self._spans(slot, int(emit[i]), int(end[i]), own,
+            head, keys, tail = self._spans(slot, emit[i], end[i], own,
                                            int(table.owned_from[slot]) // bs,
                                            pending.req_ids[i])
             head = locate(head)
             prefix = (len(store_keys), len(keys))
             store_keys.extend(keys)
-            plans.append((i, int(emit[i]), head, prefix, locate(tail)))
+            plans.append((i, emit[i], head, prefix, locate(tail)))
         stored = self._read_store(store_keys, pending, plans)
 
         def rows(parts):
