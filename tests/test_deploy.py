@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +13,12 @@ import pytest
 import yaml
 
 from r3cache import RoutingLayout, open_store
-from r3cache.testing import RedisClusterProcesses
+from r3cache.testing import RedisClusterProcesses, RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 NODE_CONF = ROOT / "deploy" / "redis-cluster.conf"
+INIT = ROOT / "deploy" / "cluster-init.sh"
 
 
 def _compose_command() -> list[str] | None:
@@ -47,9 +50,48 @@ def test_compose_runs_six_nodes_on_the_shared_settings_and_creates_the_cluster()
     assert ports == {str(p) for p in range(7000, 7006)}
     init = spec["services"]["cluster-init"]
     assert set(init["depends_on"]) == set(nodes)
-    script = " ".join(init["command"])
-    assert "--cluster-replicas 1" in script
-    assert all(f"127.0.0.1:{p}" in script for p in ports)
+    assert init["command"] == ["sh", "/etc/r3cache/cluster-init.sh"]
+    assert "./deploy:/etc/r3cache:ro" in init["volumes"]
+    defaults = INIT.read_text().split("NODES=${R3_NODES:-")[1].split("}")[0]
+    assert defaults.strip('"').split() == [f"127.0.0.1:{p}" for p in sorted(ports)]
+
+
+def _cluster_init(nodes: list[RedisServer]) -> subprocess.Popen:
+    env = {**os.environ, "R3_NODES": " ".join(f"127.0.0.1:{n.port}" for n in nodes),
+           "R3_INIT_TIMEOUT": "60"}
+    return subprocess.Popen(["sh", str(INIT)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_cluster_init_waits_for_late_nodes_and_reruns_without_change(tmp_path):
+    """deploy/cluster-init.sh itself, on six nodes of deploy/redis-cluster.conf."""
+    nodes = [RedisServer(directory=tmp_path / f"n{i}", config_file=NODE_CONF)
+             for i in range(6)]
+    for node in nodes:
+        node.dir.mkdir()
+    try:
+        init = _cluster_init(nodes)  # before any node listens: it must wait, not fail
+        time.sleep(1.5)
+        assert init.poll() is None
+        for node in nodes:
+            node.start()
+        out, _ = init.communicate(timeout=90)
+        assert init.returncode == 0, out
+        assert all(n.client().cluster("info")["cluster_state"] == "ok" for n in nodes)
+        ids = {n.client().cluster("myid") for n in nodes}
+        # Straight after a restart the cluster is not serving yet: a rerun waits, joins
+        # nothing, and leaves the same six nodes.
+        nodes[0].stop()
+        nodes[0].start()
+        again = _cluster_init(nodes)
+        out, _ = again.communicate(timeout=90)
+        assert again.returncode == 0, out
+        assert "already form a cluster" in out
+        assert {n.client().cluster("myid") for n in nodes} == ids
+        assert all(int(n.client().cluster("info")["cluster_known_nodes"]) == 6 for n in nodes)
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 def test_the_node_settings_make_a_working_durable_cluster():
