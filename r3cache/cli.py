@@ -163,8 +163,8 @@ def _gc_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_gc(args: argparse.Namespace) -> int:
-    from r3cache.store.janitor import reclaim_dead_owners
-    from r3cache.store.redis_connect import list_namespaces, open_redis_store
+    from r3cache.store.redis.connect import list_namespaces, open_redis_store
+    from r3cache.store.redis.janitor import reclaim_dead_owners
 
     namespaces = args.namespace or list_namespaces(args.url)
     if not namespaces:
@@ -208,7 +208,7 @@ def _block_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_block(args: argparse.Namespace) -> int:
     from r3cache.codec import read_header
-    from r3cache.store.redis_connect import open_redis_store
+    from r3cache.store.redis.connect import open_redis_store
 
     store = open_redis_store(args.url, layout=None, namespace=args.namespace,
                              lease=False, janitor=False)
@@ -293,8 +293,8 @@ def _recorded(reader) -> list[str]:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from r3cache.store.janitor import owner_liveness
-    from r3cache.store.redis_connect import list_namespaces, open_redis_store
+    from r3cache.store.redis.connect import list_namespaces, open_redis_store
+    from r3cache.store.redis.janitor import owner_liveness
 
     namespaces = [args.namespace] if args.namespace else list_namespaces(args.url)
     if not namespaces:

@@ -8,7 +8,7 @@ import pytest
 from r3cache import R3Reader, RoutingLayout, open_store
 from r3cache.errors import StoreAccessError
 from r3cache.sim import SimConfig, SimRequest, simulate
-from r3cache.store.janitor import reclaim_dead_owners
+from r3cache.store.redis.janitor import reclaim_dead_owners
 from r3cache.testing import RedisServer
 
 # The lines the README gives; the test runs them verbatim.

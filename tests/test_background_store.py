@@ -6,8 +6,8 @@ import pytest
 
 from r3cache import RoutingLayout
 from r3cache.errors import StoreClosedError, StoreFullError, StoreUnavailableError, WriterError
-from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.memory import MemoryBlockStore
+from r3cache.store.writers.background import BackgroundBlockStore
 
 LAYOUT = RoutingLayout(num_layers=2, topk=2, num_experts=8, block_size=4)
 

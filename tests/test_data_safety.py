@@ -26,7 +26,7 @@ from r3cache.errors import (
 )
 from r3cache.manifest import BlockRef, Completion, Manifest
 from r3cache.sim import oracle_rows
-from r3cache.store.janitor import holders, reclaim_dead_owners
+from r3cache.store.redis.janitor import holders, reclaim_dead_owners
 from r3cache.testing import RedisServer
 
 LAYOUT = RoutingLayout(num_layers=3, topk=2, num_experts=16, block_size=4)

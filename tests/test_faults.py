@@ -154,7 +154,7 @@ def test_namespace_keys_follow_a_failover_from_a_store_opened_before_it():
     registry, a refs hash) go through the same retry as batches: a store that learned
     the slot map before a failover releases, counts and reclaims after it."""
     from r3cache.manifest import Completion, Manifest
-    from r3cache.store.janitor import reclaim_dead_owners
+    from r3cache.store.redis.janitor import reclaim_dead_owners
     from r3cache.testing import RedisClusterProcesses
 
     with RedisClusterProcesses() as cluster:

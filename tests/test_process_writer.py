@@ -11,10 +11,10 @@ import pytest
 from r3cache import RoutingLayout, WorkerConnector, open_store
 from r3cache.errors import StoreUnavailableError, WriterError
 from r3cache.sim import Engine, SimConfig, SimRequest, oracle_rows
-from r3cache.store.background import BackgroundBlockStore
-from r3cache.store.process import ProcessWriter
-from r3cache.store.ring import BlockRing
 from r3cache.store.tiered import TieredBlockStore
+from r3cache.store.writers.background import BackgroundBlockStore
+from r3cache.store.writers.process import ProcessWriter
+from r3cache.store.writers.ring import BlockRing
 from r3cache.testing import RedisServer
 
 LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)

@@ -178,7 +178,7 @@ def test_expired_manifests_are_released_by_the_janitor(url, namespace):
     store.put({}, manifests=[manifest])
     assert store.get_manifests(["r"])[0] is not None
     time.sleep(0.3)
-    from r3cache.store.janitor import reclaim_dead_owners
+    from r3cache.store.redis.janitor import reclaim_dead_owners
 
     assert reclaim_dead_owners(store).manifests_expired == 1
     assert store.get_manifests(["r"]) == [None]

@@ -18,8 +18,8 @@ from r3cache.errors import (
     StoreAccessError,
     StoreUnavailableError,
 )
-from r3cache.store.janitor import reclaim_dead_owners
-from r3cache.store.redis_keys import NAMESPACES_KEY
+from r3cache.store.redis.janitor import reclaim_dead_owners
+from r3cache.store.redis.keys import NAMESPACES_KEY
 from r3cache.testing import RedisServer
 
 LAYOUT = RoutingLayout(num_layers=3, topk=2, num_experts=16, block_size=4)
@@ -84,7 +84,7 @@ def test_namespace_metadata_is_written_once_and_guards_the_layout(url, namespace
 
 
 def test_a_batch_is_one_round_per_node(store, monkeypatch):
-    from r3cache.store import redis_nodes
+    from r3cache.store.redis import nodes as redis_nodes
 
     rounds = []
     real = redis_nodes.Round
@@ -116,7 +116,7 @@ def test_a_batch_is_one_round_per_node(store, monkeypatch):
 def test_a_read_round_keeps_a_window_of_groups_in_flight(redis_url, namespace):
     """A server runs every command it has before it writes a reply: a read round sends
     ``ahead`` groups, then one more as each is read, so the server works while we decode."""
-    from r3cache.store.redis_nodes import Round
+    from r3cache.store.redis.nodes import Round
 
     client = redis.Redis.from_url(redis_url)
     keys = [f"r3:{namespace}:window:{i}" for i in range(6)]

@@ -8,7 +8,7 @@ from conftest import failed, finish, grpo_prompts, run_vllm
 
 from r3cache import R3Reader, RoutingLayout, open_store
 from r3cache.errors import ManifestNotFoundError
-from r3cache.store.redis_connect import list_namespaces
+from r3cache.store.redis.connect import list_namespaces
 from r3cache.testing import RedisServer, free_port
 
 MAX_TOKENS = 24  # 70 + 12..14 prompt tokens + 24: three full 32-token blocks a request

@@ -23,11 +23,11 @@ from r3cache.errors import (
 )
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import BlockRef, Manifest, check_request_id
-from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore
 from r3cache.store.memory import MemoryBlockStore
-from r3cache.store.process import spawn_writer
 from r3cache.store.tiered import TieredBlockStore
+from r3cache.store.writers.background import BackgroundBlockStore
+from r3cache.store.writers.process import spawn_writer
 
 
 @dataclass

@@ -7,10 +7,10 @@ from urllib.parse import parse_qsl, urlsplit
 
 from r3cache.errors import ContractError
 from r3cache.layout import RoutingLayout
-from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore, StoreStats
 from r3cache.store.memory import MemoryBlockStore
-from r3cache.store.redis_keys import REDIS_SCHEMES
+from r3cache.store.redis.keys import REDIS_SCHEMES
+from r3cache.store.writers.background import BackgroundBlockStore
 
 __all__ = ["BackgroundBlockStore", "BlockStore", "MemoryBlockStore", "StoreStats", "open_store"]
 
@@ -45,7 +45,7 @@ def open_store(
                                     f"{merged[name]!r}") from None
         return MemoryBlockStore(layout, namespace, **merged)
     if parts.scheme in REDIS_SCHEMES:
-        from r3cache.store.redis_connect import open_redis_store
+        from r3cache.store.redis.connect import open_redis_store
 
         return open_redis_store(url, layout=layout, namespace=namespace, **options)
     raise ContractError(

@@ -9,10 +9,10 @@ import numpy as np
 
 from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreFullError
 from r3cache.manifest import Manifest
-from r3cache.store.background import BackgroundBlockStore
 from r3cache.store.base import BlockStore, StoreStats
 from r3cache.store.memory import MemoryBlockStore
-from r3cache.store.process import ProcessWriter
+from r3cache.store.writers.background import BackgroundBlockStore
+from r3cache.store.writers.process import ProcessWriter
 
 
 class TieredBlockStore:

@@ -12,7 +12,7 @@ import numpy as np
 from r3cache.errors import ContractError, StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.manifest import Manifest
 from r3cache.store.base import BlockStore, StoreStats
-from r3cache.store.bounded import BoundedCalls
+from r3cache.store.writers.bounded import BoundedCalls
 
 DEFAULT_MAX_PENDING = 512
 # What an unavailable store does to the engine: "raise" a typed error at the next call,

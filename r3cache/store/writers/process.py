@@ -19,8 +19,8 @@ from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.store.base import StoreStats
-from r3cache.store.bounded import BoundedCalls
-from r3cache.store.ring import DEFAULT_RING_BYTES, BlockRing
+from r3cache.store.writers.bounded import BoundedCalls
+from r3cache.store.writers.ring import DEFAULT_RING_BYTES, BlockRing
 
 _POLL = 0.5  # seconds between the helper's checks that the engine process still lives
 _NICE = 10  # the helper's niceness above the engine's
@@ -35,7 +35,7 @@ def _open(url: str, layout: RoutingLayout, namespace: str, options: dict, patien
     The helper starts while the engine already runs: a primary may die, and its replica
     take over, while this process is still connecting. Any other failure is final.
     """
-    from r3cache.store.redis_connect import open_redis_store
+    from r3cache.store.redis.connect import open_redis_store
 
     deadline = time.monotonic() + patience
     delay = 0.05
@@ -142,7 +142,7 @@ class ProcessWriter:
 
     ``put`` copies the blocks into a shared-memory ring and hands their keys and slots,
     the pins and the manifests to a feeder thread through a bounded queue; the feeder
-    sends them to the helper process (``python -m r3cache.store.helper``), which reads
+    sends them to the helper process (``python -m r3cache.store.writers.helper``), which reads
     the rows in place, encodes, writes and keeps the holds as its own owner (its lease
     dies with it). If the queue or the ring stays full for ``max_wait`` seconds (Redis
     down or stalled), ``put`` raises StoreUnavailableError instead of stalling the
@@ -153,7 +153,7 @@ class ProcessWriter:
     def __init__(self, url: str, layout: RoutingLayout, namespace: str, options: dict,
                  *, max_pending: int = 512, max_wait: float = 10.0,
                  ring_bytes: int = DEFAULT_RING_BYTES) -> None:
-        from r3cache.store.redis_connect import open_redis_store
+        from r3cache.store.redis.connect import open_redis_store
 
         self.layout = layout
         self.namespace = namespace
@@ -161,7 +161,7 @@ class ProcessWriter:
         self._ring = BlockRing.sized(layout, ring_bytes)
         ours, theirs = socket.socketpair()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "r3cache.store.helper", str(theirs.fileno())],
+            [sys.executable, "-m", "r3cache.store.writers.helper", str(theirs.fileno())],
             pass_fds=[theirs.fileno(), self._ring.fd])
         theirs.close()
         self._connection = Connection(ours.detach())

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import redis
 
 from r3cache.errors import CorruptBlockError, LayoutMismatchError
-from r3cache.store.redis_keys import MANIFEST_OWNER_PREFIX, manifest_owner
-from r3cache.store.redis_scripts import FORGET_SCRIPT, RECLAIM_SCRIPT, SWEEP_SCRIPT
+from r3cache.store.redis.keys import MANIFEST_OWNER_PREFIX, manifest_owner
+from r3cache.store.redis.scripts import FORGET_SCRIPT, RECLAIM_SCRIPT, SWEEP_SCRIPT
 
 log = logging.getLogger("r3cache.store")
 _SCAN_COUNT = 1000

@@ -14,10 +14,10 @@ from redis.retry import Retry
 
 from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
-from r3cache.store.redis import RedisBlockStore, RedisOptions, missing_namespace
-from r3cache.store.redis_errors import redis_errors
-from r3cache.store.redis_keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, check_name
-from r3cache.store.redis_nodes import ClusterNodes, SingleNode
+from r3cache.store.redis.errors import redis_errors
+from r3cache.store.redis.keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, check_name
+from r3cache.store.redis.nodes import ClusterNodes, SingleNode
+from r3cache.store.redis.store import RedisBlockStore, RedisOptions, missing_namespace
 
 
 def _flag(value: Any) -> bool:

@@ -31,10 +31,10 @@ from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import BlockRef, Manifest
 from r3cache.store.base import StoreStats
-from r3cache.store.redis_errors import redis_errors
-from r3cache.store.redis_keys import NAMESPACES_KEY, KeySchema, check_name, manifest_owner
-from r3cache.store.redis_nodes import CHUNK, ClusterNodes, SingleNode, execute
-from r3cache.store.redis_scripts import (
+from r3cache.store.redis.errors import redis_errors
+from r3cache.store.redis.keys import NAMESPACES_KEY, KeySchema, check_name, manifest_owner
+from r3cache.store.redis.nodes import CHUNK, ClusterNodes, SingleNode, execute
+from r3cache.store.redis.scripts import (
     HOLDS_SCRIPT,
     OPEN_NAMESPACE_SCRIPT,
     REGISTER_SCRIPT,
@@ -161,7 +161,7 @@ class RedisBlockStore:
                     client.script_load(script.source)
             self._open_namespace()
             if options.janitor:
-                from r3cache.store.janitor import reclaim_dead_owners
+                from r3cache.store.redis.janitor import reclaim_dead_owners
 
                 reclaim_dead_owners(self)
             if options.lease:
@@ -257,7 +257,7 @@ class RedisBlockStore:
         """Three rounds: the holds of earlier manifests under the same request ids dropped
         (a reused id replaces its manifest), each manifest's holds on its blocks, then the
         manifests themselves."""
-        from r3cache.store.janitor import release_manifests
+        from r3cache.store.redis.janitor import release_manifests
 
         expires = time.time() + self.options.manifest_ttl
         records = [self._own_version(m) for m in manifests]
@@ -331,7 +331,7 @@ class RedisBlockStore:
 
     def release_manifests(self, request_ids: Sequence[str]) -> int:
         """Delete manifests and drop their holds, unreadable ones included."""
-        from r3cache.store.janitor import release_manifests
+        from r3cache.store.redis.janitor import release_manifests
 
         self._check_open()
         names = [self.keys.manifest(r) for r in request_ids]
@@ -450,7 +450,7 @@ class RedisBlockStore:
 
     def stats(self) -> StoreStats:
         """Scan the namespace (O(blocks): for inspection and tests, not the hot path)."""
-        from r3cache.store.janitor import scan_keys
+        from r3cache.store.redis.janitor import scan_keys
 
         self._check_open()
         with redis_errors(self.namespace, "reading stats"):
@@ -492,7 +492,7 @@ class RedisBlockStore:
         self._closed = True
         try:
             if self._lease is not None:
-                from r3cache.store.janitor import drop_holds
+                from r3cache.store.redis.janitor import drop_holds
 
                 self._lease.stop()  # first: a heartbeat may be re-applying holds
                 with redis_errors(self.namespace, "closing"), self._hold_lock:
@@ -595,7 +595,7 @@ class _Lease:
     """
 
     def __init__(self, store: RedisBlockStore) -> None:
-        from r3cache.store.janitor import drop_owner_everywhere
+        from r3cache.store.redis.janitor import drop_owner_everywhere
 
         self._store = store
         self._ttl_ms = int(store.options.lease_ttl * 1000)
