@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -177,3 +182,13 @@ def test_cuda_ring_copy_matches_the_device_rows():
     capturer.capture(0, ids)
     copy = capturer.host_ring(2).copy(capturer.snapshot(64))
     assert np.array_equal(copy.result()[:, 0], ids.cpu().numpy().astype(np.uint8))
+
+
+def test_the_gpu_check_passes_on_the_cpu_at_its_defaults():
+    """`python scripts/gpu_check.py --device cpu`, as documented: every CPU check passes."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu"], text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^8/8 checks passed", done.stdout, flags=re.M), done.stdout
+    assert "[FAIL]" not in done.stdout
