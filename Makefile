@@ -1,8 +1,10 @@
-# The two set-up commands of the README: `make demo` and `make test`.
-# Each creates .venv on first use and installs r3cache with its dev extras.
+# The two set-up commands of the README: `make demo` and `make test`. The first creates
+# .venv with r3cache and its CLI extras (numpy, redis-py, lz4, matplotlib: no torch); the second adds
+# the test extras (torch's CPU build, transformers, megatron-core).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+CORE_STAMP := $(VENV)/.core
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-vllm bench lint
@@ -11,15 +13,19 @@ STAMP := $(VENV)/.installed
 # only where the environment has none, before anything that depends on torch.
 TORCH_CPU ?= torch==2.13.0
 
-$(STAMP): pyproject.toml
+$(CORE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[cli]"
+	touch $(CORE_STAMP)
+
+$(STAMP): $(CORE_STAMP)
 	# First, so that megatron-core (dev extras) finds it rather than pulling a CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_CPU)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(CORE_STAMP)
 	$(BIN)/r3cache demo
 
 test: $(STAMP)
