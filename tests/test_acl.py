@@ -10,14 +10,20 @@ from r3cache.errors import StoreAccessError
 from r3cache.sim import SimConfig, SimRequest, simulate
 from r3cache.store.redis.janitor import reclaim_dead_owners
 from r3cache.testing import RedisServer
+from tests.readme import blocks
 
-# The lines the README gives; the test runs them verbatim.
-ENGINE_ACL = ("r3-engine on >engine-pw ~r3:* resetchannels -@all +@read +@write "
-              "+evalsha +script|load +scan +wait +time +ping +info +select +hello "
-              "+cluster|slots +cluster|shards +cluster|nodes -@dangerous")
-TRAINER_ACL = ("r3-trainer on >trainer-pw ~r3:* resetchannels -@all +@read "
-               "+evalsha +script|load +ping +info +select +hello "
-               "+cluster|slots +cluster|shards +cluster|nodes -keys")
+
+def _readme_acl() -> list[str]:
+    """The README's ACL lines (its Deploying section), passwords filled in."""
+    block = next(b for b in blocks() if (b.lang, b.heading) == ("", "Deploying"))
+    lines = [line.removeprefix("ACL SETUSER ") for line in block.text.splitlines()
+             if line.startswith("ACL SETUSER ")]
+    return [line.replace("ENGINE_PASSWORD", "engine-pw").replace("TRAINER_PASSWORD",
+                                                                 "trainer-pw")
+            for line in lines]
+
+
+ENGINE_ACL, TRAINER_ACL = _readme_acl()
 LAYOUT = RoutingLayout(num_layers=4, topk=2, num_experts=16, block_size=4)
 
 

@@ -25,6 +25,7 @@ from r3cache.integrations.megatron import (
 from r3cache.integrations.megatron_stack import chosen, moe_stack, process_groups
 from r3cache.sim import SimConfig, SimRequest, simulate
 from r3cache.testing import free_port
+from tests.readme import python_block
 
 HIDDEN, EXPERTS, TOPK = 32, 8, 2
 LAYOUT = RoutingLayout(num_layers=3, topk=TOPK, num_experts=EXPERTS, block_size=4)
@@ -143,24 +144,16 @@ def test_mismatches_are_refused_before_any_target_is_set(groups, redis_url, name
              "fusion")
 
 
-def _readme_block(after: str) -> str:
-    """The first ```python block of README.md after the line ``after``."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    rest = readme[readme.index(after):]
-    start = rest.index("```python\n") + len("```python\n")
-    return rest[start : rest.index("```", start)]
-
-
 def test_the_readme_training_snippets_run_as_written(groups, redis_url, namespace):
     request_ids, routes = _recorded(redis_url, namespace, [9, 14, 6])
     seq_len = 16
     context = {"url": redis_url, "namespace": namespace, "request_ids": request_ids,
                "model": Stack(groups), "seq_len": seq_len, "num_experts": EXPERTS,
                "hidden_states": torch.randn(seq_len, len(request_ids), HIDDEN)}
-    exec(_readme_block("### Training with Megatron-Core"), context)
+    exec(python_block("### Training with Megatron-Core").text, context)
     positions = [(i, p) for p in range(seq_len) for i in range(len(request_ids))]
     assert _chosen(context["routing_maps"][1]) == _expected(routes, 2, positions)
-    exec(_readme_block("The RL frameworks' batch conventions"), context)
+    exec(python_block("The RL frameworks' batch conventions").text, context)
     assert context["verl_batch"].shape == (3, seq_len, 3, TOPK)
     assert context["nemo_batch"].dtype == np.int8
     np.testing.assert_array_equal(context["slime_rows"], routes[0])

