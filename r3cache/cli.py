@@ -250,6 +250,18 @@ def _read_parsers(sub: argparse._SubParsersAction) -> None:
                          help="one namespace in detail (default: one line per namespace)")
     inspect.set_defaults(func=_run_inspect)
 
+    top = sub.add_parser(
+        "top", help="a live view of the namespaces and the server's memory (q quits)",
+        description="Redraws what inspect shows, Redis used_memory against maxmemory and "
+        "its eviction policy (warning unless volatile-*), and the rates of blocks and "
+        "manifests stored since the last redraw. Each redraw scans the namespaces' keys: "
+        "set --interval for large ones. q or Ctrl-C quits.")
+    top.add_argument("url", help=url_help)
+    top.add_argument("--namespace", help="one namespace (default: every namespace)")
+    top.add_argument("--interval", type=_positive_seconds, default=2.0, metavar="SECONDS",
+                     help="seconds between redraws (default 2)")
+    top.set_defaults(func=_run_top)
+
     get = sub.add_parser(
         "get", help="one request's routes into a .npy or .safetensors file",
         description="Read a finished request's routes (validated) and save them with shape "
@@ -293,35 +305,31 @@ def _recorded(reader) -> list[str]:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from r3cache.store.redis.connect import list_namespaces, open_redis_store
-    from r3cache.store.redis.janitor import owner_liveness
+    from r3cache.inspection import describe, look
+    from r3cache.store.redis.connect import list_namespaces
 
     namespaces = [args.namespace] if args.namespace else list_namespaces(args.url)
     if not namespaces:
         print("no r3cache namespaces found")
     for namespace in namespaces:
-        store = open_redis_store(args.url, layout=None, namespace=namespace, lease=False,
-                                 janitor=False)
-        try:
-            stats = store.stats()
-            owners = owner_liveness(store)
-            unreadable = store.client_for(store.keys.unreadable).hkeys(store.keys.unreadable)
-        finally:
-            store.close()
-        live = sorted(o for o, alive in owners.items() if alive)
-        dead = sorted(o for o, alive in owners.items() if not alive)
-        print(f"{namespace}  layout {store.layout.fingerprint}  hash {store.hash_algo}")
-        print(f"  blocks     {stats.blocks} ({stats.pinned_blocks} pinned, "
-              f"{stats.blocks - stats.pinned_blocks} idle)")
-        print(f"  bytes      {stats.bytes_used:,} stored for {stats.raw_bytes_used:,} raw")
-        print(f"  manifests  {stats.manifests}")
-        if unreadable:
-            shown = ", ".join(r.decode(errors="replace") for r in unreadable[:5])
-            print(f"  unreadable manifests {len(unreadable)} (released by the janitor: "
-                  f"{shown})")
-        print(f"  owners     {len(live)} live{': ' + ', '.join(live) if live else ''}; "
-              f"{len(dead)} dead{': ' + ', '.join(dead) if dead else ''}")
+        print("\n".join(describe(look(args.url, namespace))))
     return 0
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < 86400:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return seconds
+
+
+def _run_top(args: argparse.Namespace) -> int:
+    from r3cache.top import run
+
+    return run(args.url, args.namespace, args.interval)
 
 
 def _run_get(args: argparse.Namespace) -> int:

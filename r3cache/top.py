@@ -1,0 +1,72 @@
+"""`r3cache top`: the namespaces of a Redis, redrawn every few seconds until `q` or Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+import curses
+
+from r3cache.inspection import Snapshot, snapshot
+
+# Only keys with a TTL may be evicted under these: held blocks (no TTL) never are.
+_SAFE_POLICIES = ("volatile-lru", "volatile-lfu", "volatile-ttl", "volatile-random",
+                  "noeviction")
+
+
+def render(now: Snapshot, before: Snapshot | None, url: str) -> list[str]:
+    """The screen's lines: the server's memory, then one block of lines per namespace;
+    rates compare with the previous snapshot (none on the first)."""
+    server = now.server
+    limit = f"{server.maxmemory:,}" if server.maxmemory else "no maxmemory"
+    share = f" ({server.used_memory / server.maxmemory:.0%})" if server.maxmemory else ""
+    lines = [f"r3cache top  {url}",
+             f"memory     {server.used_memory:,} used of {limit}{share}, "
+             f"policy {server.policy}"]
+    if any(p not in _SAFE_POLICIES for p in server.policy.split(",")):
+        lines.append("WARNING    maxmemory-policy is not volatile-*: Redis may evict blocks "
+                     "that are held")
+    seconds = now.at - before.at if before else 0.0
+    if seconds > 0:
+        reads = (server.key_reads - before.server.key_reads) / seconds
+        lines.append(f"reads      {reads:,.0f} keys/s (the whole server)")
+    earlier = {v.namespace: v for v in before.namespaces} if before else {}
+    for view in now.namespaces:
+        stats = view.stats
+        lines += ["", f"{view.namespace}  layout {view.fingerprint}",
+                  f"  blocks     {stats.blocks:,} ({stats.pinned_blocks:,} pinned, "
+                  f"{stats.blocks - stats.pinned_blocks:,} idle), "
+                  f"{stats.bytes_used:,} bytes",
+                  f"  manifests  {stats.manifests:,}",
+                  f"  owners     {len(view.live_owners)} live, {len(view.dead_owners)} dead"]
+        if view.namespace in earlier and seconds > 0:
+            was = earlier[view.namespace].stats
+            lines.append(f"  rates      {(stats.blocks - was.blocks) / seconds:+,.1f} blocks/s, "
+                         f"{(stats.manifests - was.manifests) / seconds:+,.1f} manifests/s")
+    if not now.namespaces:
+        lines += ["", "no r3cache namespaces found"]
+    return lines
+
+
+def run(url: str, namespace: str | None, interval: float) -> int:
+    """Redraw every ``interval`` seconds; `q` or Ctrl-C ends it with the terminal restored."""
+    def loop(screen) -> None:
+        curses.curs_set(0)
+        screen.timeout(100)  # poll the keyboard every 0.1 s between redraws
+        before = None
+        while True:
+            now = snapshot(url, namespace)
+            screen.erase()
+            height, width = screen.getmaxyx()
+            lines = render(now, before, url) + ["", f"every {interval:g} s; q quits"]
+            for row, line in enumerate(lines[: height - 1]):
+                screen.addnstr(row, 0, line, width - 1)
+            screen.refresh()
+            before = now
+            waited = 0.0
+            while waited < interval:
+                if screen.getch() in (ord("q"), ord("Q")):
+                    return
+                waited += 0.1
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: quit like q
+        curses.wrapper(loop)
+    return 0

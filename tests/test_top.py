@@ -1,0 +1,104 @@
+"""`r3cache top` in a real terminal (tmux): what it draws, and that q and Ctrl-C end it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from r3cache import RoutingLayout, open_store
+from r3cache.sim import SimConfig, SimRequest, simulate
+from r3cache.testing import RedisServer
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Terminal:
+    """Own a tmux server of its own running one command in a 120 x 40 pane."""
+
+    def __init__(self, command: str, status: Path) -> None:
+        self.socket = f"r3cache-test-{uuid.uuid4().hex[:8]}"
+        self.status = status
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm-256color"}
+        # The exit status goes to a file; the pane stays until the test has read it.
+        self._tmux("new-session", "-d", "-x", "120", "-y", "40",
+                   f"{command}; echo $? > {status}; sleep 60", env=env)
+
+    def _tmux(self, *args: str, env=None) -> str:
+        return subprocess.run(["tmux", "-L", self.socket, *args], env=env, check=True,
+                              capture_output=True, text=True, timeout=30).stdout
+
+    def screen(self) -> str:
+        return self._tmux("capture-pane", "-p")
+
+    def wait_for(self, *texts: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen()
+            if all(t in screen for t in texts):
+                return screen
+            assert time.monotonic() < deadline, f"never showed {texts}:\n{screen}"
+            time.sleep(0.2)
+
+    def keys(self, *keys: str) -> None:
+        self._tmux("send-keys", *keys)
+
+    def exit_status(self, timeout: float = 15) -> int:
+        deadline = time.monotonic() + timeout
+        while not self.status.exists() or not self.status.read_text().strip():
+            assert time.monotonic() < deadline, f"still running:\n{self.screen()}"
+            time.sleep(0.1)
+        return int(self.status.read_text())
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
+
+
+@pytest.fixture
+def terminals():
+    opened: list[Terminal] = []
+    yield lambda command, status: opened.append(Terminal(command, status)) or opened[-1]
+    for terminal in opened:
+        terminal.close()
+
+
+def _top(url: str, *args: str) -> str:
+    return f"{sys.executable} -m r3cache.cli top {url} --interval 0.5 {' '.join(args)}"
+
+
+def test_top_shows_the_namespace_and_rates_and_quits_on_q(terminals, tmp_path):
+    layout = RoutingLayout(4, 2, 16, 4)
+    with RedisServer("--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru") as server:
+        workload = [SimRequest(f"r{i}", list(range(20)), list(range(i, i + 9)))
+                    for i in range(3)]
+        simulate(workload, layout, SimConfig(keep_manifests=True), store_url=server.url,
+                 namespace="top-test", idle_ttl=300)
+        store = open_store(server.url, layout=layout, namespace="top-test")
+        stats = store.stats()
+        store.close()
+        term = terminals(_top(server.url), tmp_path / "status")
+        screen = term.wait_for("top-test  layout r3l1:L4:K2:E16:B4:|u1", "rates")
+        assert f"blocks     {stats.blocks:,} ({stats.pinned_blocks:,} pinned" in screen
+        assert "manifests  3" in screen
+        assert "of 67,108,864 (" in screen and "policy volatile-lru" in screen
+        assert "WARNING" not in screen
+        term.keys("q")
+        assert term.exit_status() == 0
+
+
+def test_top_warns_of_an_eviction_policy_that_can_drop_held_blocks_and_ends_on_ctrl_c(
+        terminals, tmp_path):
+    with RedisServer("--maxmemory-policy", "allkeys-lru") as server:
+        open_store(server.url, layout=RoutingLayout(4, 2, 16, 4), namespace="evictable").close()
+        term = terminals(_top(server.url, "--namespace", "evictable"), tmp_path / "status")
+        term.wait_for("evictable", "WARNING    maxmemory-policy is not volatile-*")
+        term.keys("C-c")
+        assert term.exit_status() == 0
+        assert "Traceback" not in term.screen()
