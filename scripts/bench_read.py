@@ -31,19 +31,20 @@ from r3cache.testing import RedisClusterProcesses, RedisServer
 LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
 
 
-def record(url: str, namespace: str, requests: int, tokens: int, codec: str) -> list[str]:
+def record(url: str, namespace: str, requests: int, tokens: int, codec: str,
+           layout: RoutingLayout = LAYOUT) -> list[str]:
     """Store each request's full blocks and a manifest naming them, as the worker does."""
     rng = np.random.default_rng(0)
-    store = open_store(url, layout=LAYOUT, namespace=namespace, idle_ttl=3600, codec=codec)
+    store = open_store(url, layout=layout, namespace=namespace, idle_ttl=3600, codec=codec)
     ids = []
-    bs = LAYOUT.block_size
+    bs = layout.block_size
     for r in range(requests):
-        rows = oracle_rows(rng.integers(0, 151_936, tokens), LAYOUT)[: tokens - 1]
+        rows = oracle_rows(rng.integers(0, 151_936, tokens), layout)[: tokens - 1]
         full = (tokens - 1) // bs
         keys = [f"{r:06x}{j:058x}" for j in range(full)]
         blocks = {k: rows[j * bs : (j + 1) * bs] for j, k in enumerate(keys)}
         segments = [BlockRef(k, 0, bs) for k in keys] + [rows[full * bs :]]
-        manifest = Manifest(f"req-{r}", LAYOUT.fingerprint, Completion(0, tokens), segments)
+        manifest = Manifest(f"req-{r}", layout.fingerprint, Completion(0, tokens), segments)
         store.put(blocks, manifests=[manifest])
         ids.append(manifest.request_id)
     store.close()
