@@ -90,13 +90,16 @@ def async_harness(layout) -> Harness:
 # -- real Redis servers ---------------------------------------------------------------
 
 
+# Every namespace this session writes starts with SESSION; at its end the session deletes
+# exactly those keys, so sessions sharing one Redis (CI beside a developer's run, two CI
+# jobs) never delete each other's data mid-test.
+SESSION = f"test-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture(scope="session")
 def redis_url():
-    """A standalone Redis: the machine's (127.0.0.1:6379), or a spawned redis-server.
-
-    Every test namespace starts with ``test-``; their keys are deleted at the end.
-    """
-    with machine_redis("test-") as url:
+    """A standalone Redis: the machine's (127.0.0.1:6379), or a spawned redis-server."""
+    with machine_redis(f"{SESSION}-") as url:
         yield url
 
 
@@ -143,7 +146,7 @@ STORE_BACKENDS = ["memory", "redis", "cluster"] + (["docker"] if DOCKER else [])
 
 @pytest.fixture
 def namespace() -> str:
-    return f"test-{uuid.uuid4().hex[:12]}"
+    return f"{SESSION}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(params=STORE_BACKENDS)

@@ -11,7 +11,7 @@ from r3cache import R3Reader, RoutingLayout, StepBatch, WorkerConnector, open_st
 from r3cache.errors import R3Error
 from r3cache.sim import SimConfig, SimRequest, simulate
 from r3cache.store.memory import MemoryBlockStore
-from tests.conftest import log_reliability
+from tests.conftest import SESSION, log_reliability
 
 LAYOUT = RoutingLayout(num_layers=4, topk=2, num_experts=16, block_size=4)
 DETECTED = [0, 0]  # corruptions detected, corruptions tried
@@ -20,7 +20,7 @@ DETECTED = [0, 0]  # corruptions detected, corruptions tried
 @pytest.fixture(scope="module")
 def recorded(redis_url):
     """One recorded request; each example corrupts a copy of one of its values."""
-    namespace = "test-corruption"
+    namespace = f"{SESSION}-corruption"
     report = simulate([SimRequest("r", list(range(22)), list(range(7)))], LAYOUT,
                       SimConfig(keep_manifests=True), store_url=redis_url,
                       namespace=namespace, idle_ttl=600)

@@ -19,6 +19,7 @@ from r3cache.sim import (
     simulate,
 )
 from r3cache.store.memory import MemoryBlockStore
+from tests.conftest import SESSION
 
 SMALL = RoutingLayout(num_layers=3, topk=2, num_experts=300, block_size=16)
 
@@ -65,7 +66,7 @@ def check_random_workload(store_url, writer, seed, block_size, spec, reject_prob
     )
     options = {} if store_url.startswith("memory") else {"idle_ttl": 120}
     report = simulate(workload, layout, config, store_url=store_url, writer=writer,
-                      namespace=f"test-sim-{writer}-{seed}-{block_size}", **options)
+                      namespace=f"{SESSION}-sim-{writer}-{seed}-{block_size}", **options)
     assert report.failures == []
     assert report.rows_verified == sum(len(r.tokens) - 1 - r.prompt_start for r in workload)
     # Every request that finished while registered was read back from its manifest.

@@ -31,6 +31,8 @@ VLLM_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]),
 }
+# This session's namespaces, and only these, are deleted from the shared Redis at its end.
+SESSION = f"test-vllm-{uuid.uuid4().hex[:8]}"
 SYSTEM = " ".join(f"w{i}" for i in range(10, 80))  # a 70-token shared system prompt
 
 
@@ -50,7 +52,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def redis_url():
-    with machine_redis("test-vllm-") as url:
+    with machine_redis(f"{SESSION}-") as url:
         yield url
 
 
@@ -62,7 +64,7 @@ def cluster_url():
 
 @pytest.fixture
 def namespace() -> str:
-    return f"test-vllm-{uuid.uuid4().hex[:10]}"
+    return f"{SESSION}-{uuid.uuid4().hex[:8]}"
 
 
 class Run:
