@@ -15,10 +15,12 @@ from r3cache.errors import (
     ContractError,
     CorruptBlockError,
     ManifestNotFoundError,
+    R3Error,
 )
 from r3cache.hashing import DEFAULT_SEED, block_hashes
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import BlockRef, Manifest, check_request_id
+from r3cache.metrics import SOURCES, ReaderStats
 from r3cache.store.base import BlockStore
 
 # Rows fetched per store round in get_many: large enough that a round's fixed cost is
@@ -84,6 +86,8 @@ class R3Reader:
             self._owns_store = False
         self.layout: RoutingLayout = self.store.layout
         self.namespace = self.store.namespace
+        self.stats = ReaderStats()
+        SOURCES.add_reader(self)
         self._pool: ThreadPoolExecutor | None = None  # validates while the next group travels
 
     # -- numpy ----------------------------------------------------------------------
@@ -112,6 +116,18 @@ class R3Reader:
         dtype, layers = self._selection(dtype, layers)
         if not (isinstance(wait, (int, float)) and wait >= 0):
             raise ContractError(f"wait must be a number of seconds >= 0, not {wait!r}")
+        began = time.perf_counter()
+        try:
+            routes = self._read(request_ids, dtype, layers, wait)
+        except R3Error:
+            self.stats.failures += 1
+            raise
+        self.stats.observe(time.perf_counter() - began, len(routes),
+                           sum(len(r) for r in routes))
+        return routes
+
+    def _read(self, request_ids: list[str], dtype: np.dtype | None, layers: Any,
+              wait: float) -> list[np.ndarray]:
         manifests = self._manifests(request_ids, wait)
         missing = [r for r, m in zip(request_ids, manifests) if m is None]
         if missing:

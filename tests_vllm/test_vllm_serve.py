@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import SYSTEM, VLLM_ENV
+from prometheus_client.parser import text_string_to_metric_families
 
 from r3cache.store.redis.connect import list_namespaces
 from r3cache.testing import free_port
@@ -65,7 +66,7 @@ def _inline(choice: dict) -> np.ndarray:
 
 @pytest.fixture
 def server(cluster_url, model, tmp_path):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     template = tmp_path / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     # The tiny model on this CPU: a short context, small blocks, eager, a chat template.
@@ -75,6 +76,7 @@ def server(cluster_url, model, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("R3CACHE_")}
     # As `vllm serve` runs for users: the API server and the engine core in two processes.
     env.update({**VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                "R3CACHE_METRICS_PORT": str(metrics_port),
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
     log = (tmp_path / "serve.log").open("w")
     # A session of its own: the shell, vLLM's API server and its engine core stop together.
@@ -90,7 +92,7 @@ def server(cluster_url, model, tmp_path):
                     break
             except OSError:
                 time.sleep(1)
-        yield port
+        yield port, metrics_port
     finally:
         with contextlib.suppress(ProcessLookupError):  # the group may have ended already
             os.killpg(process.pid, signal.SIGTERM)
@@ -104,6 +106,7 @@ def server(cluster_url, model, tmp_path):
 
 def test_vllm_serve_as_the_readme_says_stores_every_response_under_its_id(server, model,
                                                                            cluster_url):
+    server, metrics_port = server
     prompt = f"{SYSTEM} w120 w121 w122"
     sampling = {"model": str(model), "max_tokens": 8, "temperature": 0}
     completion = _post(server, "/v1/completions", {**sampling, "prompt": prompt})
@@ -127,3 +130,11 @@ def test_vllm_serve_as_the_readme_says_stores_every_response_under_its_id(server
         exec(trainer, names)
         assert names["routes"].tobytes() == inline.tobytes(), request_id
         assert names["routes"].shape == inline.shape
+
+    # The engine core's connector serves its metrics on R3CACHE_METRICS_PORT.
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        scraped = {s.name: s.value for f in text_string_to_metric_families(r.read().decode())
+                   for s in f.samples if s.labels.get("namespace") == namespaces[0]}
+    assert scraped["r3cache_manifests_written_total"] == 4
+    assert scraped["r3cache_engine_steps_total"] > 0
+    assert scraped["r3cache_blocks_published_total"] > 0

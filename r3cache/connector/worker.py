@@ -23,6 +23,7 @@ from r3cache.errors import (
 )
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import BlockRef, Manifest, check_request_id
+from r3cache.metrics import SOURCES
 from r3cache.store.base import BlockStore
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.tiered import TieredBlockStore
@@ -205,6 +206,7 @@ class WorkerConnector:
                                          max_wait=store_wait, on_unavailable=on_unavailable)
         self.store = store
         self.stats = WorkerStats()
+        SOURCES.add_engine(self)  # read at scrape time: the steps pay nothing
         self._table = RequestTable(layout, max_num_seqs)
         self._generation = 0
         # Steps prepared and not yet processed, oldest first; the engine consumes

@@ -12,7 +12,9 @@ set; then, with ``--enable-return-routed-experts``:
   its final token count, so the worker records a manifest under the id vLLM's caller
   knows (``RequestOutput.request_id``; ``<id>/<i>`` for the i-th sample of ``n > 1``);
 - ``R3CACHE_INLINE=0`` leaves ``routed_experts`` out of responses (keys only: the trainer
-  reads the routes from the store by request id).
+  reads the routes from the store by request id);
+- ``R3CACHE_METRICS_PORT`` serves the connector's Prometheus metrics (``r3cache.metrics``)
+  from the process it runs in.
 
 Options of the worker connector ride on the URL's query next to the store's
 (``on_unavailable``, ``store_wait``, ``writer``, ``local_tier_bytes``). Anything the plugin
@@ -327,7 +329,28 @@ def worker_connector(model, vllm_config, kv_cache_config) -> VllmWorkerConnector
         raise
     log.info("r3cache: routed experts of %s go to %r (namespace %r, layout %s)",
              vllm_config.model_config.model, store, namespace, layout.fingerprint)
+    _serve_metrics()
     return VllmWorkerConnector(worker)
+
+
+_METRICS_SERVED: list[Any] = []
+
+
+def _serve_metrics() -> None:
+    """``R3CACHE_METRICS_PORT``: this worker's metrics on their own /metrics endpoint.
+
+    vLLM's /metrics is served by its API process, and the connector runs in the engine
+    core's; with a port set, Prometheus scrapes the worker process directly.
+    """
+    port = os.environ.get("R3CACHE_METRICS_PORT")
+    if not port or _METRICS_SERVED:
+        return
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ContractError(f"R3CACHE_METRICS_PORT must be a TCP port, not {port!r}")
+    from r3cache import metrics
+
+    _METRICS_SERVED.append(metrics.serve(int(port)))
+    log.info("r3cache: metrics on port %s (/metrics)", port)
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:

@@ -298,6 +298,11 @@ class ProcessWriter:
         self.flush()
         return self.reader.stats()
 
+    @property
+    def pending(self) -> int:
+        """Batches queued for the helper process and not yet sent to it."""
+        return self._outbox.qsize()
+
     def close(self) -> None:
         """Drain the queue, let the helper drop its holds and lease, and stop it."""
         if self._closed:

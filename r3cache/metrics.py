@@ -1,0 +1,236 @@
+"""Prometheus metrics of the engines' connectors and the readers in this process.
+
+Counters are read at scrape time from the objects that keep them (``WorkerStats``, the
+writer's queue and drop counts, ``ReaderStats``), so an engine step pays nothing for
+them. Connectors and readers announce themselves here when made; when one is
+collected, its final counts are kept under its labels, so a counter never goes back.
+Labels are the namespace and the store kind (memory, redis, cluster), never request ids.
+
+    from r3cache import metrics
+    metrics.serve(9400)   # http://host:9400/metrics (needs prometheus_client)
+
+prometheus_client is imported only by ``collector`` and ``serve``: the core runs
+without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections import defaultdict
+from typing import Any
+
+# Where each engine counter comes from, and its help text.
+ENGINE_COUNTERS = {
+    "steps": ("r3cache_engine_steps", "engine steps the connector processed"),
+    "rows_captured": ("r3cache_rows_captured", "routed-expert rows delivered to requests"),
+    "blocks_published": ("r3cache_blocks_published", "blocks handed to the store"),
+    "blocks_read": ("r3cache_prefix_blocks_read",
+                    "blocks read back to serve prefix-cache hits"),
+    "manifests": ("r3cache_manifests_written", "finished requests recorded for read-back"),
+    "remote_reads": ("r3cache_prefix_blocks_read_remote",
+                     "prefix-hit blocks the in-process tier lacked, read from the store"),
+    "dropped_batches": ("r3cache_dropped_batches",
+                        "write batches lost to an unavailable store (on_unavailable="
+                        "incomplete): their requests' read-back fails"),
+}
+READER_COUNTERS = {
+    "requests": ("r3cache_reader_requests", "requests read back"),
+    "tokens": ("r3cache_reader_tokens", "rows (tokens) read back"),
+    "failures": ("r3cache_reader_failures",
+                 "reads that raised (missing, corrupt or invalid data)"),
+}
+# Read latency buckets in seconds: one request of a few hundred rows to a large batch.
+READ_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclasses.dataclass
+class ReaderStats:
+    """Counters of what a reader did since it opened, and its read-time histogram."""
+
+    requests: int = 0
+    tokens: int = 0
+    failures: int = 0
+    seconds_sum: float = 0.0
+    buckets: list[int] = dataclasses.field(default_factory=lambda: [0] * len(READ_BUCKETS))
+    count: int = 0
+
+    def observe(self, seconds: float, requests: int, tokens: int) -> None:
+        self.requests += requests
+        self.tokens += tokens
+        self.seconds_sum += seconds
+        self.count += 1
+        for i, bound in enumerate(READ_BUCKETS):
+            if seconds <= bound:
+                self.buckets[i] += 1
+
+    def add(self, other: ReaderStats) -> None:
+        """Fold another reader's counts into these."""
+        self.requests += other.requests
+        self.tokens += other.tokens
+        self.failures += other.failures
+        self.seconds_sum += other.seconds_sum
+        self.count += other.count
+        self.buckets = [a + b for a, b in zip(self.buckets, other.buckets)]
+
+
+def store_kind(store: Any) -> str:
+    """memory, redis or cluster: the durable store under any tier or writer."""
+    seen = 0
+    while seen < 8:  # tiers and writers wrap at most a few levels
+        for inner in ("remote", "inner", "reader"):
+            if hasattr(store, inner):
+                store = getattr(store, inner)
+                break
+        else:
+            break
+        seen += 1
+    nodes = type(getattr(store, "_nodes", None)).__name__
+    if nodes == "ClusterNodes":
+        return "cluster"
+    if nodes == "SingleNode":
+        return "redis"
+    return "memory" if type(store).__name__ == "MemoryBlockStore" else type(store).__name__
+
+
+class _Sources:
+    """Own the live connectors and readers of this process and the retired counts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: dict[int, tuple[tuple[str, str], Any, Any]] = {}
+        self._readers: dict[int, tuple[tuple[str, str], ReaderStats]] = {}
+        self._retired_engines: dict[tuple[str, str], dict[str, int]] = defaultdict(
+            lambda: dict.fromkeys(ENGINE_COUNTERS, 0))
+        self._retired_readers: dict[tuple[str, str], ReaderStats] = defaultdict(ReaderStats)
+
+    def add_engine(self, worker: Any) -> None:
+        labels = (worker.store.namespace, store_kind(worker.store))
+        key = id(worker)
+        with self._lock:
+            # The stats and the store, not the connector: they outlive it until retired.
+            self._engines[key] = (labels, worker.stats, worker.store)
+        # Counts fold into the retired ones when the connector is collected.
+        weakref.finalize(worker, self._retire_engine, key)
+
+    def add_reader(self, reader: Any) -> None:
+        labels = (reader.namespace, store_kind(reader.store))
+        key = id(reader)
+        with self._lock:
+            self._readers[key] = (labels, reader.stats)
+        weakref.finalize(reader, self._retire_reader, key)
+
+    def _retire_engine(self, key: int) -> None:
+        with self._lock:
+            labels, stats, store = self._engines.pop(key)
+            totals = self._retired_engines[labels]
+            for name, value in engine_counts(stats, store).items():
+                totals[name] += value
+
+    def _retire_reader(self, key: int) -> None:
+        with self._lock:
+            labels, stats = self._readers.pop(key)
+            self._retired_readers[labels].add(stats)
+
+    def engines(self) -> tuple[dict[tuple[str, str], dict[str, int]], dict[tuple[str, str], int]]:
+        """Counter totals and writer queue depths, by (namespace, store kind)."""
+        queued: dict[tuple[str, str], int] = defaultdict(int)
+        with self._lock:  # a connector is either live or retired, never both or neither
+            totals = {labels: dict(counts) for labels, counts in self._retired_engines.items()}
+            for labels, stats, store in self._engines.values():
+                counts = totals.setdefault(labels, dict.fromkeys(ENGINE_COUNTERS, 0))
+                for name, value in engine_counts(stats, store).items():
+                    counts[name] += value
+                queued[labels] += writer_pending(store)
+        return totals, queued
+
+    def readers(self) -> dict[tuple[str, str], ReaderStats]:
+        with self._lock:
+            totals = {labels: dataclasses.replace(s, buckets=list(s.buckets))
+                      for labels, s in self._retired_readers.items()}
+            live = [(labels, dataclasses.replace(s, buckets=list(s.buckets)))
+                    for labels, s in self._readers.values()]
+        for labels, stats in live:
+            totals.setdefault(labels, ReaderStats()).add(stats)
+        return totals
+
+
+def engine_counts(stats: Any, store: Any) -> dict[str, int]:
+    """A connector's counters, its tier's remote reads and its writer's dropped batches."""
+    counts = {name: getattr(stats, name, 0) for name in ENGINE_COUNTERS}
+    counts["remote_reads"] = getattr(store, "remote_reads", 0)
+    writer = getattr(store, "remote", store)
+    counts["dropped_batches"] = getattr(writer, "dropped_batches", 0)
+    return counts
+
+
+def writer_pending(store: Any) -> int:
+    writer = getattr(store, "remote", store)
+    return int(getattr(writer, "pending", 0) or 0)
+
+
+SOURCES = _Sources()
+
+
+def collector():
+    """A prometheus_client collector of every connector and reader of this process."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+    from prometheus_client.registry import Collector
+
+    class R3Collector(Collector):
+        def collect(self):
+            labels = ["namespace", "store"]
+            engines, queued = SOURCES.engines()
+            for field, (name, text) in ENGINE_COUNTERS.items():
+                family = CounterMetricFamily(name, text, labels=labels)
+                for key, counts in engines.items():
+                    family.add_metric(list(key), counts[field])
+                yield family
+            depth = GaugeMetricFamily("r3cache_writer_queue_depth",
+                                      "write batches queued for the store's writer",
+                                      labels=labels)
+            for key, value in queued.items():
+                depth.add_metric(list(key), value)
+            yield depth
+            readers = SOURCES.readers()
+            for field, (name, text) in READER_COUNTERS.items():
+                family = CounterMetricFamily(name, text, labels=labels)
+                for key, stats in readers.items():
+                    family.add_metric(list(key), getattr(stats, field))
+                yield family
+            seconds = HistogramMetricFamily("r3cache_read_seconds",
+                                            "wall time of one reader call (get, get_many)",
+                                            labels=labels)
+            for key, stats in readers.items():
+                cumulative = [(str(b), n) for b, n in zip(READ_BUCKETS, stats.buckets)]
+                seconds.add_metric(list(key), cumulative + [("+Inf", stats.count)],
+                                   stats.seconds_sum)
+            yield seconds
+
+    return R3Collector()
+
+
+_REGISTERED: dict[int, Any] = {}
+
+
+def register(registry: Any = None) -> Any:
+    """Add r3cache's collector to ``registry`` (default: prometheus_client's), once."""
+    if registry is None:
+        from prometheus_client import REGISTRY as registry
+    if id(registry) not in _REGISTERED:
+        _REGISTERED[id(registry)] = collector()
+        registry.register(_REGISTERED[id(registry)])
+    return registry
+
+
+def serve(port: int, addr: str = "0.0.0.0", registry: Any = None) -> Any:
+    """Serve ``/metrics`` on ``addr:port`` from a daemon thread; returns the server."""
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr=addr, registry=register(registry))
+    return server
