@@ -15,6 +15,7 @@ without it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import weakref
@@ -226,6 +227,85 @@ def register(registry: Any = None) -> Any:
         _REGISTERED[id(registry)] = collector()
         registry.register(_REGISTERED[id(registry)])
     return registry
+
+
+def export(directory: str, interval: float = 1.0) -> threading.Thread:
+    """Write this process's metrics to ``directory`` every ``interval`` seconds.
+
+    For an engine whose /metrics is served by another process (vLLM's API server serves
+    them; the connector runs in its engine core): a daemon thread renders the collector
+    in the exposition format to ``r3cache-<pid>.prom`` (replaced whole, never half
+    written), and ``FileBridge`` in the serving process reads every such file. The
+    steps pay nothing: the thread reads the counters as a scrape would.
+    """
+    import atexit
+    import os
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(collector())
+    path = os.path.join(directory, f"r3cache-{os.getpid()}.prom")
+
+    def write() -> None:
+        temporary = f"{path}.tmp"
+        with open(temporary, "wb") as out:
+            out.write(generate_latest(registry))
+        os.replace(temporary, path)
+
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(interval):
+            try:
+                write()
+            except OSError:  # the directory went away with its server: nothing to feed
+                return
+
+    def last_write() -> None:  # the final counts, so the counters never go back
+        stop.set()
+        with contextlib.suppress(OSError):
+            write()
+
+    write()
+    atexit.register(last_write)
+    thread = threading.Thread(target=run, name="r3cache-metrics-export", daemon=True)
+    thread.start()
+    return thread
+
+
+def file_bridge(directory: str):
+    """A collector of the metrics ``export`` writes to ``directory``, summed over the
+    processes that wrote them (engine cores of several data-parallel ranks add up)."""
+    import glob
+    import os
+
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.registry import Collector
+
+    class FileBridge(Collector):
+        def collect(self):
+            families: dict[str, Metric] = {}
+            values: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
+            for path in sorted(glob.glob(os.path.join(directory, "r3cache-*.prom"))):
+                try:
+                    with open(path) as source:
+                        text = source.read()
+                except OSError:  # replaced or removed while listed: the next scrape has it
+                    continue
+                for family in text_string_to_metric_families(text):
+                    families.setdefault(family.name, Metric(
+                        family.name, family.documentation, family.type))
+                    for sample in family.samples:
+                        key = (sample.name, tuple(sorted(sample.labels.items())))
+                        values[family.name][key] += sample.value
+            for name, family in families.items():
+                for (sample, labels), value in values[name].items():
+                    family.add_sample(sample, dict(labels), value)
+                yield family
+
+    return FileBridge()
 
 
 def serve(port: int, addr: str = "0.0.0.0", registry: Any = None) -> Any:

@@ -110,3 +110,40 @@ def test_metrics_never_label_by_request_id():
     names = [n for n, _ in {**metrics.ENGINE_COUNTERS, **metrics.READER_COUNTERS}.values()]
     assert all(n.startswith("r3cache_") and not n.endswith("_total") for n in names)
     assert np.all(np.diff(metrics.READ_BUCKETS) > 0)
+
+
+CHILD = """
+import json, sys
+from r3cache import RoutingLayout, metrics
+from r3cache.sim import SimConfig, grpo_workload, simulate
+metrics.export(sys.argv[1], interval=0.05)
+report = simulate(grpo_workload(num_prompts=2, samples=2, seed=int(sys.argv[4])),
+                  RoutingLayout(4, 2, 16, 4), SimConfig(keep_manifests=True),
+                  store_url=sys.argv[2], namespace=sys.argv[3], idle_ttl=300)
+print(json.dumps([report.blocks_published, report.manifests_verified]))
+"""
+
+
+def test_metrics_exported_by_other_processes_add_up_where_they_are_served(redis_url,
+                                                                         namespace, tmp_path):
+    """As under vLLM: engine processes export, the serving process bridges and sums."""
+    import json
+    import subprocess
+    import sys
+
+    from prometheus_client import generate_latest
+
+    children = [subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), redis_url,
+                                namespace, str(seed)], capture_output=True, text=True,
+                               timeout=120) for seed in (5, 6)]
+    assert all(c.returncode == 0 for c in children), [c.stderr for c in children]
+    counts = [json.loads(c.stdout) for c in children]
+    registry = CollectorRegistry()
+    registry.register(metrics.file_bridge(str(tmp_path)))
+    scraped = {s.name: s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in f.samples if s.labels.get("namespace") == namespace}
+    # The exits wrote the final counts: the two engines' totals, summed.
+    assert scraped["r3cache_blocks_published_total"] == sum(c[0] for c in counts) > 0
+    assert scraped["r3cache_manifests_written_total"] == sum(c[1] for c in counts) == 8
+    assert len(list(tmp_path.glob("r3cache-*.prom"))) == 2

@@ -131,10 +131,21 @@ def test_vllm_serve_as_the_readme_says_stores_every_response_under_its_id(server
         assert names["routes"].tobytes() == inline.tobytes(), request_id
         assert names["routes"].shape == inline.shape
 
-    # The engine core's connector serves its metrics on R3CACHE_METRICS_PORT.
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        scraped = {s.name: s.value for f in text_string_to_metric_families(r.read().decode())
-                   for s in f.samples if s.labels.get("namespace") == namespaces[0]}
-    assert scraped["r3cache_manifests_written_total"] == 4
-    assert scraped["r3cache_engine_steps_total"] > 0
-    assert scraped["r3cache_blocks_published_total"] > 0
+    # The engine core's connector metrics: on vLLM's own /metrics (exported each second
+    # to the API server) and on R3CACHE_METRICS_PORT of the engine core itself.
+    for port in (server, metrics_port):
+        deadline = time.monotonic() + 10
+        while True:
+            scraped = _scrape(port, namespaces[0])
+            if scraped.get("r3cache_manifests_written_total") == 4:
+                break
+            assert time.monotonic() < deadline, (port, scraped)
+            time.sleep(0.5)
+        assert scraped["r3cache_engine_steps_total"] > 0
+        assert scraped["r3cache_blocks_published_total"] > 0
+
+
+def _scrape(port: int, namespace: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return {s.name: s.value for f in text_string_to_metric_families(r.read().decode())
+                for s in f.samples if s.labels.get("namespace") == namespace}

@@ -13,8 +13,9 @@ set; then, with ``--enable-return-routed-experts``:
   knows (``RequestOutput.request_id``; ``<id>/<i>`` for the i-th sample of ``n > 1``);
 - ``R3CACHE_INLINE=0`` leaves ``routed_experts`` out of responses (keys only: the trainer
   reads the routes from the store by request id);
-- ``R3CACHE_METRICS_PORT`` serves the connector's Prometheus metrics (``r3cache.metrics``)
-  from the process it runs in.
+- the connector's Prometheus metrics (``r3cache.metrics``) appear on vLLM's own /metrics
+  (the engine core exports them to a directory the API server reads), and with
+  ``R3CACHE_METRICS_PORT`` also on a port of the engine core's own.
 
 Options of the worker connector ride on the URL's query next to the store's
 (``on_unavailable``, ``store_wait``, ``writer``, ``local_tier_bytes``). Anything the plugin
@@ -85,6 +86,34 @@ def register() -> None:
         _scheduler_connector_class(base)
     _keep_external_ids(modules["vllm.v1.request"].Request)
     _drain_terminal_events(modules["vllm.v1.engine.core_client"].InprocClient)
+    _bridge_metrics()
+
+
+# The directory where engine-core processes leave the connector's metrics for the API
+# server's /metrics; set by the first process that loads the plugin, inherited by the
+# processes it starts.
+_METRICS_DIR = "_R3CACHE_METRICS_DIR"
+
+
+def _bridge_metrics() -> None:
+    """In the first vLLM process (the API server): serve the metrics that the processes
+    it starts export, on vLLM's own /metrics (prometheus_client's default registry)."""
+    if os.environ.get(_METRICS_DIR):
+        return
+    try:
+        import prometheus_client
+    except ImportError:  # vLLM ships it; without it there is no /metrics to feed
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    from r3cache import metrics
+
+    directory = tempfile.mkdtemp(prefix="r3cache-metrics-")
+    os.environ[_METRICS_DIR] = directory
+    atexit.register(shutil.rmtree, directory, True)
+    prometheus_client.REGISTRY.register(metrics.file_bridge(directory))
 
 
 def _import(importlib, name: str):
@@ -330,7 +359,20 @@ def worker_connector(model, vllm_config, kv_cache_config) -> VllmWorkerConnector
     log.info("r3cache: routed experts of %s go to %r (namespace %r, layout %s)",
              vllm_config.model_config.model, store, namespace, layout.fingerprint)
     _serve_metrics()
+    _export_metrics()
     return VllmWorkerConnector(worker)
+
+
+_METRICS_EXPORTED: list[Any] = []
+
+
+def _export_metrics() -> None:
+    """This process's connector metrics, for the API server's /metrics (once a process)."""
+    directory = os.environ.get(_METRICS_DIR)
+    if directory and not _METRICS_EXPORTED:
+        from r3cache import metrics
+
+        _METRICS_EXPORTED.append(metrics.export(directory))
 
 
 _METRICS_SERVED: list[Any] = []
