@@ -246,13 +246,15 @@ def execute(
     retries: int,
     chunk: int = CHUNK,
     ahead: int | None = None,
+    on_resend: Callable[[list[int]], None] | None = None,
 ) -> Iterator[tuple[list[int], list[Any]]]:
     """Run ``build(indices)``'s commands for every group of ``keys``, one round per node.
 
     Yields ``(indices, replies)`` per group. A lost script (NOSCRIPT after a restart
     or failover) is loaded and that command alone re-sent; a topology change or a
     dropped connection relearns the slot map and retries the affected groups, up to
-    ``retries`` times. Any other error reply is raised.
+    ``retries`` times. Any other error reply is raised. ``on_resend`` hears the indices
+    re-sent after a dropped connection: the server may have run their commands already.
     """
     pending = list(range(len(keys)))
     for attempt in range(retries + 1):
@@ -282,6 +284,8 @@ def execute(
                 raise
             retry = [i for n, (_, groups, _) in enumerate(plan) for g, idx in enumerate(groups)
                      if (n, g) not in served for i in idx]
+            if on_resend is not None:
+                on_resend(retry)
         if not retry:
             return
         pending = retry

@@ -150,6 +150,9 @@ class RedisBlockStore:
         # What this owner holds, as it asked: close() drops exactly these holds, and a
         # lease that finds itself reclaimed applies them again. Guarded by _hold_lock.
         self._holds: Counter[str] = Counter()
+        # Keys whose retain was re-sent after a dropped connection: the server may hold
+        # one more than _holds says (at-least-once), so close() drops these whole too.
+        self._resent: set[str] = set()
         self._hold_lock = threading.RLock()
         self._closed = False
         self.reopen_args: tuple[str, dict] | None = None  # set by open_redis_store
@@ -239,6 +242,8 @@ class RedisBlockStore:
         for indices, replies in self._execute(
             block_keys, lambda idx: self._write_commands(names, block_keys, ops, idx),
             chunk=_WRITE_CHUNK,
+            on_resend=lambda idx: self._resent.update(
+                names[i] for i in idx if ops[names[i]].retain),
         ):
             written = [i for i in indices if ops[names[i]].rows is not None]
             offset = 1 if any(ops[names[i]].retain for i in indices) else 0
@@ -496,8 +501,10 @@ class RedisBlockStore:
 
                 self._lease.stop()  # first: a heartbeat may be re-applying holds
                 with redis_errors(self.namespace, "closing"), self._hold_lock:
-                    drop_holds(self, [self.owner], [self.keys.refs(k) for k in self._holds])
+                    held = {*self._holds, *self._resent}
+                    drop_holds(self, [self.owner], [self.keys.refs(k) for k in held])
                     self._holds.clear()
+                    self._resent.clear()
                     self._lease.unregister()
         finally:
             self._nodes.close()
@@ -505,10 +512,12 @@ class RedisBlockStore:
     # -- plumbing shared with the janitor -------------------------------------------
 
     def _execute(self, keys: Sequence[bytes], build: Callable[[list[int]], list],
-                 chunk: int = CHUNK, ahead: int | None = None
+                 chunk: int = CHUNK, ahead: int | None = None,
+                 on_resend: Callable[[list[int]], None] | None = None,
                  ) -> Iterator[tuple[list[int], list[Any]]]:
         return execute(self._nodes, keys, build, scripts=SCRIPTS,
-                       retries=self.options.retries, chunk=chunk, ahead=ahead)
+                       retries=self.options.retries, chunk=chunk, ahead=ahead,
+                       on_resend=on_resend)
 
     def per_key(self, keys: list[bytes], command: Callable[[bytes], tuple]) -> list:
         """One command per key, pipelined per node; replies in key order."""
