@@ -44,36 +44,61 @@ READER_COUNTERS = {
 }
 # Read latency buckets in seconds: one request of a few hundred rows to a large batch.
 READ_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# How long a put waited for the writer (a full queue or ring): up to store_wait.
+WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
+
+
+@dataclasses.dataclass
+class Timings:
+    """A histogram of durations: cumulative counts per bound, their sum and count."""
+
+    bounds: tuple[float, ...]
+    buckets: list[int] = dataclasses.field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.buckets = self.buckets or [0] * len(self.bounds)
+
+    def observe(self, seconds: float) -> None:
+        self.total += seconds
+        self.count += 1
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.buckets[i] += 1
+
+    def add(self, other: Timings) -> None:
+        self.total += other.total
+        self.count += other.count
+        self.buckets = [a + b for a, b in zip(self.buckets, other.buckets)]
+
+    def copy(self) -> Timings:
+        return Timings(self.bounds, list(self.buckets), self.total, self.count)
 
 
 @dataclasses.dataclass
 class ReaderStats:
-    """Counters of what a reader did since it opened, and its read-time histogram."""
+    """Counters of what a reader did since it opened, and its read times."""
 
     requests: int = 0
     tokens: int = 0
     failures: int = 0
-    seconds_sum: float = 0.0
-    buckets: list[int] = dataclasses.field(default_factory=lambda: [0] * len(READ_BUCKETS))
-    count: int = 0
+    seconds: Timings = dataclasses.field(default_factory=lambda: Timings(READ_BUCKETS))
 
     def observe(self, seconds: float, requests: int, tokens: int) -> None:
         self.requests += requests
         self.tokens += tokens
-        self.seconds_sum += seconds
-        self.count += 1
-        for i, bound in enumerate(READ_BUCKETS):
-            if seconds <= bound:
-                self.buckets[i] += 1
+        self.seconds.observe(seconds)
 
     def add(self, other: ReaderStats) -> None:
         """Fold another reader's counts into these."""
         self.requests += other.requests
         self.tokens += other.tokens
         self.failures += other.failures
-        self.seconds_sum += other.seconds_sum
-        self.count += other.count
-        self.buckets = [a + b for a, b in zip(self.buckets, other.buckets)]
+        self.seconds.add(other.seconds)
+
+    def copy(self) -> ReaderStats:
+        return dataclasses.replace(self, seconds=self.seconds.copy())
 
 
 def store_kind(store: Any) -> str:
@@ -95,6 +120,33 @@ def store_kind(store: Any) -> str:
     return "memory" if type(store).__name__ == "MemoryBlockStore" else type(store).__name__
 
 
+@dataclasses.dataclass
+class EngineTotals:
+    """What the connectors of one (namespace, store kind) did: counters, store errors by
+    class, and how long puts waited for the writer."""
+
+    counts: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(ENGINE_COUNTERS, 0))
+    errors: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    waits: Timings = dataclasses.field(default_factory=lambda: Timings(WAIT_BUCKETS))
+    queued: int = 0  # a gauge: batches queued now, live connectors only
+
+    def add(self, stats: Any, store: Any) -> None:
+        """Fold one connector's stats and its store's writer into these."""
+        for name, value in engine_counts(stats, store).items():
+            self.counts[name] += value
+        for name, value in stats.errors.items():
+            self.errors[name] += value
+        writer = getattr(store, "remote", store)
+        waits = getattr(writer, "waits", None)
+        if waits is not None:
+            self.waits.add(waits)
+
+    def copy(self) -> EngineTotals:
+        return EngineTotals(dict(self.counts), defaultdict(int, self.errors),
+                            self.waits.copy())
+
+
 class _Sources:
     """Own the live connectors and readers of this process and the retired counts."""
 
@@ -102,8 +154,7 @@ class _Sources:
         self._lock = threading.Lock()
         self._engines: dict[int, tuple[tuple[str, str], Any, Any]] = {}
         self._readers: dict[int, tuple[tuple[str, str], ReaderStats]] = {}
-        self._retired_engines: dict[tuple[str, str], dict[str, int]] = defaultdict(
-            lambda: dict.fromkeys(ENGINE_COUNTERS, 0))
+        self._retired_engines: dict[tuple[str, str], EngineTotals] = defaultdict(EngineTotals)
         self._retired_readers: dict[tuple[str, str], ReaderStats] = defaultdict(ReaderStats)
 
     def add_engine(self, worker: Any) -> None:
@@ -125,33 +176,27 @@ class _Sources:
     def _retire_engine(self, key: int) -> None:
         with self._lock:
             labels, stats, store = self._engines.pop(key)
-            totals = self._retired_engines[labels]
-            for name, value in engine_counts(stats, store).items():
-                totals[name] += value
+            self._retired_engines[labels].add(stats, store)
 
     def _retire_reader(self, key: int) -> None:
         with self._lock:
             labels, stats = self._readers.pop(key)
             self._retired_readers[labels].add(stats)
 
-    def engines(self) -> tuple[dict[tuple[str, str], dict[str, int]], dict[tuple[str, str], int]]:
-        """Counter totals and writer queue depths, by (namespace, store kind)."""
-        queued: dict[tuple[str, str], int] = defaultdict(int)
+    def engines(self) -> dict[tuple[str, str], EngineTotals]:
+        """Every connector's totals, by (namespace, store kind)."""
         with self._lock:  # a connector is either live or retired, never both or neither
-            totals = {labels: dict(counts) for labels, counts in self._retired_engines.items()}
+            totals = {labels: t.copy() for labels, t in self._retired_engines.items()}
             for labels, stats, store in self._engines.values():
-                counts = totals.setdefault(labels, dict.fromkeys(ENGINE_COUNTERS, 0))
-                for name, value in engine_counts(stats, store).items():
-                    counts[name] += value
-                queued[labels] += writer_pending(store)
-        return totals, queued
+                total = totals.setdefault(labels, EngineTotals())
+                total.add(stats, store)
+                total.queued += writer_pending(store)
+        return totals
 
     def readers(self) -> dict[tuple[str, str], ReaderStats]:
         with self._lock:
-            totals = {labels: dataclasses.replace(s, buckets=list(s.buckets))
-                      for labels, s in self._retired_readers.items()}
-            live = [(labels, dataclasses.replace(s, buckets=list(s.buckets)))
-                    for labels, s in self._readers.values()]
+            totals = {labels: s.copy() for labels, s in self._retired_readers.items()}
+            live = [(labels, s.copy()) for labels, s in self._readers.values()]
         for labels, stats in live:
             totals.setdefault(labels, ReaderStats()).add(stats)
         return totals
@@ -183,35 +228,47 @@ def collector():
     )
     from prometheus_client.registry import Collector
 
+    def histogram(name: str, text: str, labels: list[str], rows) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, text, labels=labels)
+        for key, timings in rows:
+            buckets = [(str(b), n) for b, n in zip(timings.bounds, timings.buckets)]
+            family.add_metric(list(key), buckets + [("+Inf", timings.count)], timings.total)
+        return family
+
     class R3Collector(Collector):
         def collect(self):
             labels = ["namespace", "store"]
-            engines, queued = SOURCES.engines()
+            engines = SOURCES.engines()
             for field, (name, text) in ENGINE_COUNTERS.items():
                 family = CounterMetricFamily(name, text, labels=labels)
-                for key, counts in engines.items():
-                    family.add_metric(list(key), counts[field])
+                for key, totals in engines.items():
+                    family.add_metric(list(key), totals.counts[field])
                 yield family
+            errors = CounterMetricFamily(
+                "r3cache_store_errors", "typed store errors the connector raised, by class",
+                labels=[*labels, "error"])
+            for key, totals in engines.items():
+                for error, count in sorted(totals.errors.items()):
+                    errors.add_metric([*key, error], count)
+            yield errors
             depth = GaugeMetricFamily("r3cache_writer_queue_depth",
                                       "write batches queued for the store's writer",
                                       labels=labels)
-            for key, value in queued.items():
-                depth.add_metric(list(key), value)
+            for key, totals in engines.items():
+                depth.add_metric(list(key), totals.queued)
             yield depth
+            yield histogram("r3cache_store_wait_seconds",
+                            "how long a put waited for the writer (queue or ring full)",
+                            labels, [(k, t.waits) for k, t in engines.items()])
             readers = SOURCES.readers()
             for field, (name, text) in READER_COUNTERS.items():
                 family = CounterMetricFamily(name, text, labels=labels)
                 for key, stats in readers.items():
                     family.add_metric(list(key), getattr(stats, field))
                 yield family
-            seconds = HistogramMetricFamily("r3cache_read_seconds",
-                                            "wall time of one reader call (get, get_many)",
-                                            labels=labels)
-            for key, stats in readers.items():
-                cumulative = [(str(b), n) for b, n in zip(READ_BUCKETS, stats.buckets)]
-                seconds.add_metric(list(key), cumulative + [("+Inf", stats.count)],
-                                   stats.seconds_sum)
-            yield seconds
+            yield histogram("r3cache_read_seconds",
+                            "wall time of one reader call (get, get_many)", labels,
+                            [(k, s.seconds) for k, s in readers.items()])
 
     return R3Collector()
 

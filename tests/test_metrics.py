@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -147,3 +149,42 @@ def test_metrics_exported_by_other_processes_add_up_where_they_are_served(redis_
     assert scraped["r3cache_blocks_published_total"] == sum(c[0] for c in counts) > 0
     assert scraped["r3cache_manifests_written_total"] == sum(c[1] for c in counts) == 8
     assert len(list(tmp_path.glob("r3cache-*.prom"))) == 2
+
+
+@pytest.mark.parametrize("policy", ["raise", "incomplete"])
+def test_a_stalled_redis_shows_as_waits_drops_and_typed_errors(policy, tmp_path):
+    """Redis paused for 3 s under the thread writer's small queue (tests/test_faults.py)."""
+    from prometheus_client import generate_latest
+
+    from r3cache.errors import R3Error
+    from tests.test_faults import _server, _stalled_run
+
+    (tmp_path / "pause").mkdir()
+    server = _server("pause", tmp_path)
+    registry = CollectorRegistry()
+    metrics.register(registry)
+
+    def scrape() -> dict:
+        return {(s.name, s.labels.get("error")): s.value
+                for f in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in f.samples if s.labels.get("namespace") == f"stall-{policy}"}
+
+    before = scrape()  # tests/test_faults.py may have used this namespace already
+    engine, worker, workload = _stalled_run(server, policy, "pause")
+    with contextlib.suppress(R3Error):  # "raise": the typed error ends the run
+        engine.run(workload)
+    after = scrape()
+    grew = {key: value - before.get(key, 0) for key, value in after.items()}
+    assert grew[("r3cache_store_wait_seconds_count", None)] > 0  # puts found the queue full
+    if policy == "raise":
+        errors = {e: v for (n, e), v in grew.items() if n == "r3cache_store_errors_total" and v}
+        assert sum(errors.values()) >= 1 and set(errors) <= {"StoreUnavailableError",
+                                                            "WriterError"}
+        assert errors == dict(worker.stats.errors)
+    else:
+        assert grew[("r3cache_dropped_batches_total", None)] == \
+            worker.store.remote.dropped_batches > 0
+    time.sleep(3.2)  # the pause ends
+    with contextlib.suppress(R3Error):
+        worker.close()
+    server.stop()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections import deque
-from dataclasses import dataclass
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from r3cache.errors import (
     InvalidBatchError,
     LayoutMismatchError,
     MetadataError,
+    R3Error,
 )
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import BlockRef, Manifest, check_request_id
@@ -40,6 +41,8 @@ class WorkerStats:
     blocks_published: int = 0
     blocks_read: int = 0  # blocks read back from the store to serve prefix hits
     manifests: int = 0  # finished requests recorded for offline read-back
+    # Typed store errors raised to the engine, by class name.
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
 class PendingOutput:
@@ -352,7 +355,11 @@ class WorkerConnector:
 
     def _put(self, objects, retain=(), release=(), manifests=()) -> None:
         if objects or retain or release or manifests:
-            self.store.put(objects, retain, release, manifests)
+            try:
+                self.store.put(objects, retain, release, manifests)
+            except R3Error as exc:
+                self.stats.errors[type(exc).__name__] += 1
+                raise
             self.stats.blocks_published += len(objects)
             self.stats.manifests += len(manifests)
 
@@ -729,7 +736,10 @@ class WorkerConnector:
             return self.layout.empty_rows()
         try:
             stored = self.store.get_concatenated(keys)
-        except BlockNotFoundError as exc:
+        except R3Error as exc:
+            self.stats.errors[type(exc).__name__] += 1
+            if not isinstance(exc, BlockNotFoundError):
+                raise
             raise BlockNotFoundError(
                 exc.keys,
                 namespace=exc.namespace,

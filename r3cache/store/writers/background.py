@@ -11,6 +11,7 @@ import numpy as np
 
 from r3cache.errors import ContractError, StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.manifest import Manifest
+from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import BlockStore, StoreStats
 from r3cache.store.writers.bounded import BoundedCalls
 
@@ -40,6 +41,7 @@ class BackgroundBlockStore:
         self.max_wait = max_wait
         self.on_unavailable = on_unavailable
         self.dropped_batches = 0  # batches lost to an unavailable store ("incomplete")
+        self.waits = Timings(WAIT_BUCKETS)  # puts that found the queue full
         self.layout = inner.layout
         self.namespace = inner.namespace
         self.hash_algo = inner.hash_algo
@@ -61,10 +63,17 @@ class BackgroundBlockStore:
     ) -> None:
         self._check()
         if objects or retain_keys or release_keys or manifests:
+            item = (objects, retain_keys, release_keys, manifests)
             try:
-                self._queue.put((objects, retain_keys, release_keys, manifests),
-                                timeout=self.max_wait)
+                self._queue.put_nowait(item)
+                return
+            except queue.Full:  # the writer is behind: wait for it, at most max_wait
+                began = time.monotonic()
+            try:
+                self._queue.put(item, timeout=self.max_wait)
+                self.waits.observe(time.monotonic() - began)
             except queue.Full:
+                self.waits.observe(time.monotonic() - began)
                 if self.on_unavailable == "incomplete":
                     # The requests of this batch are incomplete: their read-back fails
                     # with ManifestNotFoundError or BlockNotFoundError, never wrong rows.

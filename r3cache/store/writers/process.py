@@ -18,6 +18,7 @@ import numpy as np
 from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
+from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import StoreStats
 from r3cache.store.writers.bounded import BoundedCalls
 from r3cache.store.writers.ring import DEFAULT_RING_BYTES, BlockRing
@@ -168,6 +169,7 @@ class ProcessWriter:
         self._connection.send(("open", url, layout.fingerprint, namespace, options,
                                os.getpid(), self._ring.fd, self._ring.capacity, max_wait))
         self._outbox: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.waits = Timings(WAIT_BUCKETS)  # puts that found the ring or the queue full
         self._error: str | None = None
         self._closed = False
         self._flushes = 0
@@ -224,18 +226,26 @@ class ProcessWriter:
     def _send_blocks(self, keys: list[str], rows: list[np.ndarray], retain: Collection[str],
                      release: Sequence[str], manifests: Sequence[Manifest],
                      deadline: float) -> None:
-        start = None
+        start, began = None, None
         if keys:
             start = self._ring.place(len(keys))
             while start is None:  # the helper still reads the slots we need
+                began = began or time.monotonic()
                 self._await_reply(deadline)
                 start = self._ring.place(len(keys))
             np.stack(rows, out=self._ring.view(start, len(keys)))
+        item = ("put", keys, start, retain, release, manifests)
         try:
-            self._outbox.put(("put", keys, start, retain, release, manifests),
-                             timeout=max(deadline - time.monotonic(), 0))
-        except queue.Full:
-            self._unavailable()
+            self._outbox.put_nowait(item)
+        except queue.Full:  # the feeder is behind: wait for it until the deadline
+            began = began or time.monotonic()
+            try:
+                self._outbox.put(item, timeout=max(deadline - time.monotonic(), 0))
+            except queue.Full:
+                self.waits.observe(time.monotonic() - began)
+                self._unavailable()
+        if began is not None:
+            self.waits.observe(time.monotonic() - began)
 
     def _await_reply(self, deadline: float) -> None:
         left = deadline - time.monotonic()
