@@ -27,6 +27,8 @@ ENGINE_COUNTERS = {
     "steps": ("r3cache_engine_steps", "engine steps the connector processed"),
     "rows_captured": ("r3cache_rows_captured", "routed-expert rows delivered to requests"),
     "blocks_published": ("r3cache_blocks_published", "blocks handed to the store"),
+    "bytes_published": ("r3cache_published_bytes",
+                        "row bytes of the blocks handed to the store (before lz4)"),
     "blocks_read": ("r3cache_prefix_blocks_read",
                     "blocks read back to serve prefix-cache hits"),
     "manifests": ("r3cache_manifests_written", "finished requests recorded for read-back"),
@@ -203,8 +205,10 @@ class _Sources:
 
 
 def engine_counts(stats: Any, store: Any) -> dict[str, int]:
-    """A connector's counters, its tier's remote reads and its writer's dropped batches."""
+    """A connector's counters, the bytes it published, its tier's remote reads and its
+    writer's dropped batches."""
     counts = {name: getattr(stats, name, 0) for name in ENGINE_COUNTERS}
+    counts["bytes_published"] = stats.blocks_published * store.layout.block_nbytes
     counts["remote_reads"] = getattr(store, "remote_reads", 0)
     writer = getattr(store, "remote", store)
     counts["dropped_batches"] = getattr(writer, "dropped_batches", 0)

@@ -57,6 +57,8 @@ def test_engine_counters_on_metrics_equal_the_connectors_stats(request, backend,
     after = scrape(namespace)
     assert after["r3cache_engine_steps_total"] == len(report.step_seconds) > 0  # steps run
     assert after["r3cache_blocks_published_total"] == report.blocks_published > 0
+    assert after["r3cache_published_bytes_total"] == \
+        report.blocks_published * LAYOUT.block_nbytes
     assert after["r3cache_prefix_blocks_read_total"] == report.blocks_read
     assert after["r3cache_manifests_written_total"] == report.manifests_verified
     assert after["r3cache_dropped_batches_total"] == 0
