@@ -105,21 +105,25 @@ class ReaderStats:
 
 def store_kind(store: Any) -> str:
     """memory, redis or cluster: the durable store under any tier or writer."""
-    seen = 0
-    while seen < 8:  # tiers and writers wrap at most a few levels
-        for inner in ("remote", "inner", "reader"):
-            if hasattr(store, inner):
-                store = getattr(store, inner)
-                break
-        else:
-            break
-        seen += 1
-    nodes = type(getattr(store, "_nodes", None)).__name__
-    if nodes == "ClusterNodes":
+    from r3cache.store.memory import MemoryBlockStore
+    from r3cache.store.redis.nodes import ClusterNodes, SingleNode
+
+    # Tiers hold their durable store as .remote, the writer thread as .inner, the helper
+    # process's handle as .reader.
+    while (inner := next((getattr(store, a) for a in ("remote", "inner", "reader")
+                          if hasattr(store, a)), None)) is not None:
+        store = inner
+    nodes = getattr(store, "_nodes", None)
+    if isinstance(nodes, ClusterNodes):
         return "cluster"
-    if nodes == "SingleNode":
+    if isinstance(nodes, SingleNode):
         return "redis"
-    return "memory" if type(store).__name__ == "MemoryBlockStore" else type(store).__name__
+    return "memory" if isinstance(store, MemoryBlockStore) else type(store).__name__
+
+
+def _writer(store: Any) -> Any:
+    """The writer behind a two-tier store (the store itself otherwise)."""
+    return getattr(store, "remote", store)
 
 
 @dataclasses.dataclass
@@ -139,8 +143,7 @@ class EngineTotals:
             self.counts[name] += value
         for name, value in stats.errors.items():
             self.errors[name] += value
-        writer = getattr(store, "remote", store)
-        waits = getattr(writer, "waits", None)
+        waits = getattr(_writer(store), "waits", None)
         if waits is not None:
             self.waits.add(waits)
 
@@ -210,14 +213,12 @@ def engine_counts(stats: Any, store: Any) -> dict[str, int]:
     counts = {name: getattr(stats, name, 0) for name in ENGINE_COUNTERS}
     counts["bytes_published"] = stats.blocks_published * store.layout.block_nbytes
     counts["remote_reads"] = getattr(store, "remote_reads", 0)
-    writer = getattr(store, "remote", store)
-    counts["dropped_batches"] = getattr(writer, "dropped_batches", 0)
+    counts["dropped_batches"] = getattr(_writer(store), "dropped_batches", 0)
     return counts
 
 
 def writer_pending(store: Any) -> int:
-    writer = getattr(store, "remote", store)
-    return int(getattr(writer, "pending", 0) or 0)
+    return int(getattr(_writer(store), "pending", 0) or 0)
 
 
 SOURCES = _Sources()

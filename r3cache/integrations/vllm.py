@@ -358,41 +358,31 @@ def worker_connector(model, vllm_config, kv_cache_config) -> VllmWorkerConnector
         raise
     log.info("r3cache: routed experts of %s go to %r (namespace %r, layout %s)",
              vllm_config.model_config.model, store, namespace, layout.fingerprint)
-    _serve_metrics()
-    _export_metrics()
+    _publish_metrics()
     return VllmWorkerConnector(worker)
 
 
-_METRICS_EXPORTED: list[Any] = []
+_METRICS_PUBLISHED: list[Any] = []
 
 
-def _export_metrics() -> None:
-    """This process's connector metrics, for the API server's /metrics (once a process)."""
-    directory = os.environ.get(_METRICS_DIR)
-    if directory and not _METRICS_EXPORTED:
-        from r3cache import metrics
-
-        _METRICS_EXPORTED.append(metrics.export(directory))
-
-
-_METRICS_SERVED: list[Any] = []
-
-
-def _serve_metrics() -> None:
-    """``R3CACHE_METRICS_PORT``: this worker's metrics on their own /metrics endpoint.
-
-    vLLM's /metrics is served by its API process, and the connector runs in the engine
-    core's; with a port set, Prometheus scrapes the worker process directly.
-    """
-    port = os.environ.get("R3CACHE_METRICS_PORT")
-    if not port or _METRICS_SERVED:
+def _publish_metrics() -> None:
+    """Once a process: this connector's metrics for the API server's /metrics (exported
+    to the directory it made), and with ``R3CACHE_METRICS_PORT`` on a port of their own
+    (vLLM's /metrics is served by its API process, the connector runs in the engine
+    core's)."""
+    if _METRICS_PUBLISHED:
         return
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    port = os.environ.get("R3CACHE_METRICS_PORT")
+    if port and (not port.isdigit() or not 0 < int(port) < 65536):
         raise ContractError(f"R3CACHE_METRICS_PORT must be a TCP port, not {port!r}")
     from r3cache import metrics
 
-    _METRICS_SERVED.append(metrics.serve(int(port)))
-    log.info("r3cache: metrics on port %s (/metrics)", port)
+    directory = os.environ.get(_METRICS_DIR)
+    if directory:
+        _METRICS_PUBLISHED.append(metrics.export(directory))
+    if port:
+        _METRICS_PUBLISHED.append(metrics.serve(int(port)))
+        log.info("r3cache: metrics on port %s (/metrics)", port)
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:

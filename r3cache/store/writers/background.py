@@ -67,13 +67,12 @@ class BackgroundBlockStore:
             try:
                 self._queue.put_nowait(item)
                 return
-            except queue.Full:  # the writer is behind: wait for it, at most max_wait
-                began = time.monotonic()
+            except queue.Full:
+                pass  # the writer is behind: wait for it, at most max_wait
+            began = time.monotonic()
             try:
                 self._queue.put(item, timeout=self.max_wait)
-                self.waits.observe(time.monotonic() - began)
             except queue.Full:
-                self.waits.observe(time.monotonic() - began)
                 if self.on_unavailable == "incomplete":
                     # The requests of this batch are incomplete: their read-back fails
                     # with ManifestNotFoundError or BlockNotFoundError, never wrong rows.
@@ -83,6 +82,8 @@ class BackgroundBlockStore:
                     f"namespace {self.namespace!r}: the writer has not taken a batch for "
                     f"{self.max_wait:g} s (store down or stalled?); this batch was not written"
                 ) from None
+            finally:
+                self.waits.observe(time.monotonic() - began)
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         self.flush()

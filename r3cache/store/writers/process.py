@@ -226,26 +226,27 @@ class ProcessWriter:
     def _send_blocks(self, keys: list[str], rows: list[np.ndarray], retain: Collection[str],
                      release: Sequence[str], manifests: Sequence[Manifest],
                      deadline: float) -> None:
-        start, began = None, None
-        if keys:
-            start = self._ring.place(len(keys))
-            while start is None:  # the helper still reads the slots we need
-                began = began or time.monotonic()
-                self._await_reply(deadline)
-                start = self._ring.place(len(keys))
-            np.stack(rows, out=self._ring.view(start, len(keys)))
-        item = ("put", keys, start, retain, release, manifests)
+        start, began = None, None  # began: when this put first had to wait
         try:
-            self._outbox.put_nowait(item)
-        except queue.Full:  # the feeder is behind: wait for it until the deadline
-            began = began or time.monotonic()
+            if keys:
+                start = self._ring.place(len(keys))
+                while start is None:  # the helper still reads the slots we need
+                    began = began or time.monotonic()
+                    self._await_reply(deadline)
+                    start = self._ring.place(len(keys))
+                np.stack(rows, out=self._ring.view(start, len(keys)))
+            item = ("put", keys, start, retain, release, manifests)
             try:
-                self._outbox.put(item, timeout=max(deadline - time.monotonic(), 0))
-            except queue.Full:
+                self._outbox.put_nowait(item)
+            except queue.Full:  # the feeder is behind: wait for it until the deadline
+                began = began or time.monotonic()
+                try:
+                    self._outbox.put(item, timeout=max(deadline - time.monotonic(), 0))
+                except queue.Full:
+                    self._unavailable()
+        finally:
+            if began is not None:
                 self.waits.observe(time.monotonic() - began)
-                self._unavailable()
-        if began is not None:
-            self.waits.observe(time.monotonic() - began)
 
     def _await_reply(self, deadline: float) -> None:
         left = deadline - time.monotonic()
