@@ -33,6 +33,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_step.py
+	$(BIN)/python scripts/bench_metrics.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check r3cache tests tests_vllm scripts

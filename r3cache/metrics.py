@@ -34,6 +34,9 @@ ENGINE_COUNTERS = {
     "manifests": ("r3cache_manifests_written", "finished requests recorded for read-back"),
     "remote_reads": ("r3cache_prefix_blocks_read_remote",
                      "prefix-hit blocks the in-process tier lacked, read from the store"),
+    "conflicts": ("r3cache_store_conflicts",
+                  "blocks written under a key the store held with other rows (another "
+                  "replica's; this engine's rows went to a variant key)"),
     "dropped_batches": ("r3cache_dropped_batches",
                         "write batches lost to an unavailable store (on_unavailable="
                         "incomplete): their requests' read-back fails"),
@@ -135,7 +138,9 @@ class EngineTotals:
         default_factory=lambda: dict.fromkeys(ENGINE_COUNTERS, 0))
     errors: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
     waits: Timings = dataclasses.field(default_factory=lambda: Timings(WAIT_BUCKETS))
-    queued: int = 0  # a gauge: batches queued now, live connectors only
+    queued: int = 0  # gauges, live connectors only: batches queued now,
+    ring_used: int = 0  # and the helper process's ring slots in use, of ring_slots
+    ring_slots: int = 0
 
     def add(self, stats: Any, store: Any) -> None:
         """Fold one connector's stats and its store's writer into these."""
@@ -196,6 +201,9 @@ class _Sources:
                 total = totals.setdefault(labels, EngineTotals())
                 total.add(stats, store)
                 total.queued += writer_pending(store)
+                used, slots = getattr(_writer(store), "ring_slots", (0, 0))
+                total.ring_used += used
+                total.ring_slots += slots
         return totals
 
     def readers(self) -> dict[tuple[str, str], ReaderStats]:
@@ -214,6 +222,7 @@ def engine_counts(stats: Any, store: Any) -> dict[str, int]:
     counts["bytes_published"] = stats.blocks_published * store.layout.block_nbytes
     counts["remote_reads"] = getattr(store, "remote_reads", 0)
     counts["dropped_batches"] = getattr(_writer(store), "dropped_batches", 0)
+    counts["conflicts"] = getattr(_writer(store), "conflicts", 0)
     return counts
 
 
@@ -262,6 +271,16 @@ def collector():
             for key, totals in engines.items():
                 depth.add_metric(list(key), totals.queued)
             yield depth
+            ring = [(k, t) for k, t in engines.items() if t.ring_slots]
+            for name, text, field in (
+                    ("r3cache_writer_ring_slots_used",
+                     "blocks in the helper process's shared ring not yet encoded", "ring_used"),
+                    ("r3cache_writer_ring_slots",
+                     "blocks the helper process's shared ring holds", "ring_slots")):
+                family = GaugeMetricFamily(name, text, labels=labels)
+                for key, totals in ring:
+                    family.add_metric(list(key), getattr(totals, field))
+                yield family
             yield histogram("r3cache_store_wait_seconds",
                             "how long a put waited for the writer (queue or ring full)",
                             labels, [(k, t.waits) for k, t in engines.items()])

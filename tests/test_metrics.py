@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 import time
 import urllib.request
@@ -65,6 +67,10 @@ def test_engine_counters_on_metrics_equal_the_connectors_stats(request, backend,
     # Redis holds each block once (a preempted request's recomputed blocks are published
     # again and kept by their first writer) and every manifest counted.
     assert 0 < report.store_stats.blocks <= report.blocks_published
+    # The helper process's own write counts reach stats(): a fresh namespace's blocks
+    # were all written by it, none conflicted.
+    assert report.store_stats.blocks_written == report.store_stats.blocks
+    assert after["r3cache_store_conflicts_total"] == report.store_stats.conflicts == 0
     assert after["r3cache_manifests_written_total"] == report.store_stats.manifests
     with R3Reader(url, namespace=namespace) as reader:
         labels = {k for k, v in scrape(namespace).items()}
@@ -190,3 +196,61 @@ def test_a_stalled_redis_shows_as_waits_drops_and_typed_errors(policy, tmp_path)
     with contextlib.suppress(R3Error):
         worker.close()
     server.stop()
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_conflicts_with_another_replica_and_the_ring_show_on_metrics(redis_url, namespace,
+                                                                     writer, scrape):
+    """Another replica wrote other rows under three keys: this engine's writer counts three
+    conflicts, and the metric says so; the helper's ring drains to no slot in use."""
+    from r3cache import open_store
+    from r3cache.connector.worker import WorkerConnector
+
+    keys = ["k1", "k2", "k3"]
+    ours, theirs = (np.full(LAYOUT.block_shape, v, LAYOUT.dtype) for v in (1, 2))
+    other = open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="replica-a")
+    other.put(dict.fromkeys(keys, theirs))
+    worker = WorkerConnector(layout=LAYOUT, store=open_store(
+        redis_url, layout=LAYOUT, namespace=namespace, owner="replica-b"), writer=writer)
+    try:
+        worker.store.put({**dict.fromkeys(keys, ours), "k4": ours})
+        stats = worker.store.stats()  # after a flush: the helper has reported
+        assert (stats.blocks_written, stats.conflicts) == (1, 3)
+        scraped = scrape(namespace)
+        assert scraped["r3cache_store_conflicts_total"] == 3
+        if writer == "process":
+            helper = worker.store.remote._process
+            assert scraped["r3cache_writer_ring_slots_used"] == 0  # all encoded
+            assert scraped["r3cache_writer_ring_slots"] == worker.store.remote.ring_slots[1]
+            os.kill(helper.pid, signal.SIGSTOP)  # a helper that cannot keep up
+            try:
+                worker.store.put({f"m{i}": ours for i in range(5)})
+                assert scrape(namespace)["r3cache_writer_ring_slots_used"] == 5
+            finally:
+                os.kill(helper.pid, signal.SIGCONT)
+            # Without a call into the store: the helper's acknowledgement in the ring.
+            deadline = time.monotonic() + 10
+            while scrape(namespace)["r3cache_writer_ring_slots_used"] and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert scrape(namespace)["r3cache_writer_ring_slots_used"] == 0
+        else:
+            assert "r3cache_writer_ring_slots" not in scraped
+    finally:
+        worker.close()
+        other.close()
+
+
+def test_engine_steps_call_no_metrics_code_but_the_wait_timing():
+    """scripts/bench_metrics.py (make bench) counts calls into r3cache/metrics.py during
+    every bench_step case: only puts that waited for a full queue may make one."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "scripts/bench_metrics.py", "--steps", "20"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith("memory ")]
+    assert len(rows) == 4
+    for *_, calls, waits, steps in rows:
+        assert int(calls) <= int(waits) and int(steps) == 20
+    assert "rendered once a second" in out

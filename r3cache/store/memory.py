@@ -197,6 +197,11 @@ class MemoryBlockStore:
         with self._lock:
             self._check_open()
 
+    @property
+    def conflicts(self) -> int:
+        """Blocks put under a key already held with different rows."""
+        return self._conflicts
+
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(

@@ -471,13 +471,21 @@ class RedisBlockStore:
             referenced_keys=sum(mine),
             bytes_used=sum(sizes),
             raw_bytes_used=len(blocks) * self.layout.block_nbytes,
-            blocks_written=self._counts["written"],
-            duplicate_puts=self._counts["duplicates"],
-            conflicts=self._counts["conflicts"],
             evictions=0,
             manifests=len(manifests),
-            unreplicated=self._counts["unreplicated"],
+            **self.write_counts(),
         )
+
+    def write_counts(self) -> dict[str, int]:
+        """The StoreStats fields this writer's own puts determine, without a round trip."""
+        counts = self._counts
+        return {"blocks_written": counts["written"], "duplicate_puts": counts["duplicates"],
+                "conflicts": counts["conflicts"], "unreplicated": counts["unreplicated"]}
+
+    @property
+    def conflicts(self) -> int:
+        """Blocks put under a key another writer's different rows already held."""
+        return self._counts["conflicts"]
 
     def refcount(self, key: str) -> int:
         """This owner's holds on ``key`` (on its variant, where it has one)."""

@@ -130,6 +130,11 @@ class BackgroundBlockStore:
         """Operations queued and not yet applied."""
         return self._queue.unfinished_tasks
 
+    @property
+    def conflicts(self) -> int:
+        """The inner store's conflicts so far (0 for a store that does not count them)."""
+        return getattr(self.inner, "conflicts", 0)
+
     def close(self) -> None:
         """Drain the queue, stop the writer and close the inner store."""
         if self._closed:

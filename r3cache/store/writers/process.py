@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import socket
@@ -67,6 +68,7 @@ def _serve(connection: Connection) -> None:
     connection.send(("ready", store.owner))
     failed = False
     variants_sent = 0
+    counts_sent = store.write_counts()
     carried = None  # a message read while gathering puts, handled next
     while True:
         try:
@@ -94,9 +96,14 @@ def _serve(connection: Connection) -> None:
                 # writer's own rows where another's sit under the key.
                 connection.send(("variants", dict(list(variants.items())[variants_sent:])))
                 variants_sent = len(variants)
+            counts = store.write_counts()
+            if counts != counts_sent:  # before "flushed" too: stats() after a flush is exact
+                connection.send(("counts", counts))
+                counts_sent = counts
             # put encoded the rows (views of the ring) and kept no view: the slots are
             # the engine's again, also when the write failed.
             if upto is not None:
+                ring.acknowledge(upto)
                 connection.send(("freed", upto))
         elif kind == "flush":
             connection.send(("flushed", message[1]))
@@ -170,6 +177,9 @@ class ProcessWriter:
                                os.getpid(), self._ring.fd, self._ring.capacity, max_wait))
         self._outbox: queue.Queue = queue.Queue(maxsize=max_pending)
         self.waits = Timings(WAIT_BUCKETS)  # puts that found the ring or the queue full
+        # The helper's own write counts (blocks written, duplicates, conflicts, ...), as
+        # of its last report: the read handle here writes nothing.
+        self._write_counts: dict[str, int] = {}
         self._error: str | None = None
         self._closed = False
         self._flushes = 0
@@ -307,12 +317,23 @@ class ProcessWriter:
 
     def stats(self) -> StoreStats:
         self.flush()
-        return self.reader.stats()
+        return dataclasses.replace(self.reader.stats(), **self._write_counts)
 
     @property
     def pending(self) -> int:
         """Batches queued for the helper process and not yet sent to it."""
         return self._outbox.qsize()
+
+    @property
+    def conflicts(self) -> int:
+        """The helper's conflicts, as of its last report."""
+        return self._write_counts.get("conflicts", 0)
+
+    @property
+    def ring_slots(self) -> tuple[int, int]:
+        """(slots in use, capacity) of the shared ring: blocks the helper has not
+        encoded yet, and how many the ring holds."""
+        return self._ring.in_use, self._ring.capacity
 
     def close(self) -> None:
         """Drain the queue, let the helper drop its holds and lease, and stop it."""
@@ -346,6 +367,8 @@ class ProcessWriter:
             self._ring.freed(reply[1])
         elif reply[0] == "variants":
             self.reader.add_variants(reply[1])
+        elif reply[0] == "counts":
+            self._write_counts = reply[1]
         elif reply[0] == "error":
             self._error = (f"background writer for namespace {self.namespace!r} failed: "
                            f"{reply[1]}: {reply[2]}")

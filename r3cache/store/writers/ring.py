@@ -10,11 +10,14 @@ Slot numbers grow without bound; slot ``n`` lives at ``n % capacity``. The engin
 owns ``head`` (the next slot it writes), the helper's acknowledgements move ``tail``
 (every slot below it is free again). A put's slots are contiguous in memory: one that
 would wrap past the end starts at slot 0 instead; the skipped slots are freed with the
-next acknowledgement (they are cumulative), or at once if nothing is in flight.
+next acknowledgement (they are cumulative), or at once if nothing is in flight. The
+helper also writes its latest acknowledgement into the mapping's last 8 bytes, so the
+slots in use can be read (for metrics) without reading the socket.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -31,16 +34,19 @@ class BlockRing:
     def __init__(self, layout: RoutingLayout, capacity: int, fd: int | None = None) -> None:
         self.capacity = capacity
         size = capacity * layout.block_nbytes
+        acked_at = -(-size // 8) * 8  # an aligned int64 after the slots
         if fd is None:  # the engine creates it; the helper is given the descriptor
             fd = os.memfd_create("r3cache-ring", os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, acked_at + 8)
         self.fd = fd
         # Populated at once: a slot's first write would otherwise fault in (allocate and
         # zero) fresh shared pages in the engine's step, ~0.3 ms a step until the ring
         # has wrapped once (64 MiB: minutes of decoding). Start-up pays it instead.
-        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        self.slots = np.frombuffer(self._map, layout.dtype).reshape(capacity,
-                                                                   *layout.block_shape)
+        self._map = mmap.mmap(fd, acked_at + 8, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        count = capacity * math.prod(layout.block_shape)
+        self.slots = np.frombuffer(self._map, layout.dtype, count).reshape(
+            capacity, *layout.block_shape)
+        self._acked = np.frombuffer(self._map, np.int64, 1, acked_at)
         self.head = 0
         self.tail = 0
 
@@ -70,7 +76,16 @@ class BlockRing:
         """The helper is done with every slot below ``upto``."""
         self.tail = max(self.tail, upto)
 
+    def acknowledge(self, upto: int) -> None:
+        """(Helper side) every slot below ``upto`` is read: visible to ``in_use`` at once."""
+        self._acked[0] = upto
+
+    @property
+    def in_use(self) -> int:
+        """Slots the helper has not read yet, by its latest acknowledgement."""
+        return max(self.head - max(self.tail, int(self._acked[0])), 0)
+
     def close(self) -> None:
-        del self.slots  # the mapping cannot close while an array still exports it
+        del self.slots, self._acked  # the mapping cannot close while arrays export it
         self._map.close()
         os.close(self.fd)
