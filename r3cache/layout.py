@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -9,8 +10,9 @@ import numpy as np
 from r3cache.errors import LayoutError, LayoutMismatchError
 
 _FINGERPRINT_VERSION = "r3l1"
-# Up to this many expert IDs, strided compares beat copying the topk columns out first.
-_FEW_IDS = 4096
+# Up to this many ID comparisons (IDs x topk), one topk x topk compare of the columns
+# beats topk - 1 calls; a decode step's few rows cost the calls, not the bytes.
+_FEW_COMPARES = 1 << 18
 _MAX_EXPERTS = 1 << 31  # int32, the widest storage dtype, holds IDs up to 2**31 - 1
 
 
@@ -116,6 +118,14 @@ class RoutingLayout:
             return "a row names the same expert twice"
         return None
 
+    def check_blocks(self, blocks: Mapping[str, np.ndarray]) -> None:
+        """check_block for every block of a put, named by its key in an error."""
+        shape, dtype = self.block_shape, self.dtype
+        for key, rows in blocks.items():
+            # The usual case in three compares; anything else gets the full check.
+            if rows.__class__ is not np.ndarray or rows.shape != shape or rows.dtype != dtype:
+                self.check_block(rows, f"block {key!r}")
+
     def check_block(self, rows: np.ndarray, what: str = "block") -> None:
         """Raise LayoutMismatchError unless ``rows`` is one whole block of this layout."""
         self.check_rows(rows, what)
@@ -132,9 +142,10 @@ def repeats_an_expert(rows: np.ndarray) -> bool:
     much as few bytes: the reader runs this on a helper thread, and each call takes the
     GIL back from the thread that is reading the next blocks.
     """
-    if rows.size <= _FEW_IDS:
-        # A decode step's few rows: strided compares cost less than making columns.
-        return any(np.count_nonzero(rows[:, :, i + 1 :] == rows[:, :, i : i + 1])
-                   for i in range(rows.shape[-1] - 1))
-    columns = np.ascontiguousarray(np.moveaxis(rows, -1, 0))
-    return any(bool((columns[i + 1 :] == columns[i]).any()) for i in range(len(columns) - 1))
+    topk = rows.shape[-1]
+    columns = np.ascontiguousarray(rows.reshape(-1, topk).T)
+    if rows.size * topk <= _FEW_COMPARES:
+        # Every column against every column: equal on the diagonal only, unless an
+        # expert repeats (each repeat adds two more).
+        return int(np.count_nonzero(columns[:, None] == columns[None, :])) != columns.size
+    return any(bool((columns[i + 1 :] == columns[i]).any()) for i in range(topk - 1))

@@ -9,6 +9,7 @@ other change.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -58,6 +59,58 @@ class BlockRef(NamedTuple):
 Segment = BlockRef | np.ndarray
 
 
+class BlockSpan(Sequence):
+    """Own a manifest's segments as an engine makes them: partial parts at either end and
+    the keys of the whole blocks between.
+
+    A request of 2048 tokens names 128 whole blocks; their BlockRefs are made only when
+    the segments are read (by the writer, the encoder, a reader), not on the engine's
+    step, and the span pickles as keys, not as 128 tuples.
+    """
+
+    __slots__ = ("head", "keys", "tail", "block_size")
+
+    def __init__(self, head: list[Segment], keys: list[str], tail: list[Segment],
+                 block_size: int) -> None:
+        self.head, self.keys, self.tail, self.block_size = head, keys, tail, block_size
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.keys) + len(self.tail)
+
+    def __iter__(self) -> Iterator[Segment]:
+        yield from self.head
+        bs = self.block_size
+        for key in self.keys:
+            yield BlockRef(key, 0, bs)
+        yield from self.tail
+
+    def __getitem__(self, index):
+        return list(self)[index]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(
+            _same_segment(a, b) for a, b in zip(self, other))
+
+    def __reduce__(self):
+        return BlockSpan, (self.head, self.keys, self.tail, self.block_size)
+
+    @property
+    def block_keys(self) -> list[str]:
+        return [*_keys_of(self.head), *self.keys, *_keys_of(self.tail)]
+
+
+def _keys_of(parts: list[Segment]) -> list[str]:
+    return [s.key for s in parts if isinstance(s, BlockRef)]
+
+
+def _same_segment(a: Segment, b: Segment) -> bool:
+    if isinstance(a, BlockRef) or isinstance(b, BlockRef):
+        return a == b
+    return np.array_equal(a, b)
+
+
 @dataclass
 class Manifest:
     """Own one request's route record: its layout, extent and segments in order."""
@@ -65,12 +118,14 @@ class Manifest:
     request_id: str
     fingerprint: str
     completion: Completion
-    segments: list[Segment] = field(default_factory=list)
+    segments: Sequence[Segment] = field(default_factory=list)  # a list or a BlockSpan
     expires_at: float = 0.0
 
     @property
     def block_keys(self) -> list[str]:
-        return [s.key for s in self.segments if isinstance(s, BlockRef)]
+        if isinstance(self.segments, BlockSpan):
+            return self.segments.block_keys
+        return _keys_of(self.segments)
 
     def to_fields(self, layout: RoutingLayout) -> dict[str, bytes | str]:
         """The Redis hash fields of this manifest (readable with ``HGETALL``)."""

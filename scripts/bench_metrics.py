@@ -9,7 +9,8 @@ pairs spread ±15 %, far more than the cost):
 
   calls    calls into r3cache/metrics.py made while the cases run their steps, counted
            by a profile hook (the writer's wait timing, on a put that found its queue
-           full, is the only one the design allows: "waits" counts those puts);
+           full, is the only one the design allows: "waits" counts those puts; the
+           embedded store has no writer to wait for);
   scrape   the time one render of every metric takes in the engine's process (vLLM's
            engine core renders once a second for the API server's /metrics), with the
            connectors of all cases live; at one render a second, its share of the
@@ -94,7 +95,8 @@ def main() -> None:
                 bench_step.Driver.url, bench_step.Driver.writer = url, writer
                 for name, bench in bench_step.CASES:
                     calls, steps = count_calls(bench, args.steps)
-                    waits = metrics._writer(live[-1].worker.store).waits.count
+                    writer = metrics._writer(live[-1].worker.store)
+                    waits = writer.waits.count if hasattr(writer, "waits") else 0
                     print(f"{label:12s} {name:32s} {calls:14d} {waits:6d} {steps:6d}")
             seconds = render_seconds()
             print(f"one render of every metric, {len(live)} connectors live: "

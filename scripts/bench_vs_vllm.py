@@ -13,6 +13,7 @@ process_output. Every step's outputs are compared: same requests, same token sta
 identical rows. Scenarios (layout L=48, K=8, 128 experts, uint8, block 16):
 
   decode        256 requests x 1 token, staggered so blocks complete every step
+  decode32      the same with 32 requests (a small server: per-step costs dominate)
   chunked       prompts of 2048 tokens in 1024-token chunks, 8 requests a step,
                 four finishing a step (manifests written)
   prefix        a producer prefilling a 2048-token prompt and 7 requests hitting it in
@@ -77,13 +78,16 @@ class Scheduler:
         self.base: dict[str, int] = {}  # where a request's rows start in the pool
         self.finishing: list[str] = []
         self.completions: dict[str, Completion] = {}
+        self.sampling: set[str] = set()  # requests past their prompt
 
     def step(self, new: dict[str, int], runs: list[tuple[str, int, int]],
              rejected: np.ndarray | None = None, measure: bool = True,
              full_until: dict[str, int] | None = None) -> Step:
         """``new``: requests registered this step, with their emit start; ``runs``:
-        (request, first position, tokens) in batch order; hashes go out for blocks full
-        of scheduled tokens (``full_until`` overrides: accepted tokens, for drafts)."""
+        (request, first position, tokens) in batch order. As vLLM's scheduler connector
+        does, every scheduled request is listed with its emit start (0 in its prompt,
+        then its last sampled token's position) and hashes go out for blocks full of
+        scheduled tokens (``full_until`` overrides: accepted tokens, for drafts)."""
         hashes = {}
         for req, start, count in runs:
             full = (full_until or {}).get(req, start + count) // LAYOUT.block_size
@@ -93,7 +97,9 @@ class Scheduler:
                 self.sent[req] = full
         finished, self.finishing = self.finishing, []
         completions, self.completions = self.completions, {}
-        meta = R3ConnectorMetadata(0, new, hashes, tuple(finished), completions,
+        requests = {r: new[r] if r in new else (start if r in self.sampling else 0)
+                    for r, start, _ in runs}
+        meta = R3ConnectorMetadata(0, requests, hashes, tuple(finished), completions,
                                    {r: r for r in completions})
         counts = np.array([c for _, _, c in runs], np.int32)
         starts = np.array([s for _, s, _ in runs], np.int32)
@@ -130,6 +136,7 @@ def decode(steps: int, n: int = 256) -> Iterator[Step]:
     # so the requests sit at staggered positions within their blocks.
     first = [(r, 1024, 1 + i % 16) for i, r in enumerate(ids)]
     yield s.step({r: 1024 for r in ids}, first, measure=False)
+    s.sampling.update(ids)
     pos = [1024 + 1 + i % 16 for i in range(n)]
     for k in range(steps + 10):
         yield s.step({}, [(r, p, 1) for r, p in zip(ids, pos)], measure=k >= 10)
@@ -182,6 +189,7 @@ def spec(steps: int, n: int = 64, q: int = 5) -> Iterator[Step]:
         s.base[r] = 11 * i
     yield s.step({r: 512 for r in ids}, [(r, 512, 1 + i % 16) for i, r in enumerate(ids)],
                  measure=False)
+    s.sampling.update(ids)
     pos = [512 + 1 + i % 16 for i in range(n)]
     for k in range(steps + 10):
         rejected = rng.integers(0, q, n)
@@ -194,6 +202,7 @@ def spec(steps: int, n: int = 64, q: int = 5) -> Iterator[Step]:
 SCENARIOS: dict[str, tuple[Callable[[int], Iterator[Step]], int]] = {
     # name: (steps, steps in flight)
     "decode": (decode, 1),
+    "decode32": (lambda steps: decode(steps, 32), 1),
     "chunked": (chunked, 1),
     "prefix": (prefix, 1),
     "spec": (spec, 1),

@@ -52,3 +52,19 @@ def test_check_rows_rejects_wrong_shapes_and_dtypes():
                 np.zeros((3, 2), np.uint8), [[0, 1]]):
         with pytest.raises(LayoutMismatchError):
             layout.check_rows(bad)
+
+
+@pytest.mark.parametrize("num_rows", [1, 64, 700])  # one compare of all columns, and topk-1
+def test_an_expert_named_twice_is_found_in_any_pair_of_columns(num_rows):
+    from r3cache.layout import repeats_an_expert
+    from r3cache.sim import oracle_rows
+
+    layout = RoutingLayout(num_layers=48, topk=8, num_experts=128)
+    rows = oracle_rows(list(range(num_rows)), layout)
+    assert layout.id_problem(rows) is None
+    for i in range(8):
+        for j in range(i + 1, 8):
+            bad = rows.copy()
+            bad[num_rows // 2, 47, j] = bad[num_rows // 2, 47, i]
+            assert repeats_an_expert(bad), (i, j)
+            assert layout.id_problem(bad) == "a row names the same expert twice"

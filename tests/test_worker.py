@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from r3cache import RequestOutput, RoutingLayout, StepBatch, WorkerConnector
+from r3cache.connector import PackedHashes
 from r3cache.errors import (
     BlockNotFoundError,
     CursorError,
@@ -143,6 +144,21 @@ def test_a_full_block_waits_for_its_hash_in_a_hash_only_update(harness):
     np.testing.assert_array_equal(h.store.get_concatenated(h.keys("r", 0, 2)), h.rows("r", 0, 8))
     h.begin(finished=["r"], block_hashes={"r": h.hashes("r", 2, 3)})  # never completed
     assert h.refcount(h.keys("r")[2]) == 0 and h.worker.num_requests == 0
+
+
+def test_packed_hashes_key_blocks_as_the_hashes_one_by_one(harness):
+    """vLLM ships a request's new hashes concatenated: the same keys, the same rows."""
+    h = harness
+    h.add("r", TOKENS)
+    packed = PackedHashes(b"".join(h.hashes("r", 0, 2)), 32)
+    with pytest.raises(InvalidBatchError, match="whole number"):
+        h.begin({"r": 0}, {"r": PackedHashes(packed.data[:-1], 32)})
+    assert h.worker.num_requests == 0  # refused before anything changed
+    h.begin({"r": 0}, {"r": packed})
+    h.step([("r", 0, 9)], sampled=[1])
+    h.worker.store.flush()
+    assert h.refcount(h.keys("r")[0]) == h.refcount(h.keys("r")[1]) == 1
+    np.testing.assert_array_equal(h.store.get_concatenated(h.keys("r", 0, 2)), h.rows("r", 0, 8))
 
 
 @pytest.mark.parametrize("deferred", [False, True])

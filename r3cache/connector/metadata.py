@@ -35,13 +35,34 @@ def block_key(block_hash: BlockHash) -> str:
     )
 
 
+class PackedHashes(NamedTuple):
+    """Block hashes of ``item_size`` bytes each, concatenated (vLLM ships them so): one
+    hex conversion for all of a request's new hashes instead of one per hash."""
+
+    data: bytes
+    item_size: int
+
+
+def block_keys(hashes: Sequence[BlockHash] | PackedHashes) -> list[str]:
+    """The store keys of one request's block hashes, in order."""
+    if isinstance(hashes, PackedHashes):
+        size = hashes.item_size
+        if size < 1 or len(hashes.data) % size:
+            raise InvalidBatchError(f"packed block hashes: {len(hashes.data)} bytes are not "
+                                    f"a whole number of {size}-byte hashes")
+        text, width = bytes(hashes.data).hex(), 2 * size
+        return [text[i : i + width] for i in range(0, len(text), width)]
+    return [block_key(h) for h in hashes]
+
+
 @dataclass(frozen=True)
 class StepMetadata:
     """One scheduler step's request registrations, new block hashes and finished requests.
 
     ``requests`` maps a request that (re)starts on the worker to its emit start:
     the first token position whose routed experts it is still owed.
-    ``block_hashes`` holds only hashes not sent before, in block order.
+    ``block_hashes`` holds only hashes not sent before, in block order (a sequence, or
+    ``PackedHashes``).
     ``finished_requests`` are torn down (finished, aborted or preempted); those also
     in ``completions`` finished for good, and their routes become a manifest, recorded
     under the request id or its ``record_as`` entry.
@@ -49,7 +70,7 @@ class StepMetadata:
 
     generation: int = 0
     requests: Mapping[str, int] = field(default_factory=dict)
-    block_hashes: Mapping[str, Sequence[BlockHash]] = field(default_factory=dict)
+    block_hashes: Mapping[str, Sequence[BlockHash] | PackedHashes] = field(default_factory=dict)
     finished_requests: Collection[str] = ()
     completions: Mapping[str, Completion] = field(default_factory=dict)
     # The id a completion's manifest is recorded under where it is not the engine's own

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from r3cache.connector.metadata import RequestOutput, StepBatch, StepMetadata, block_key
+from r3cache.connector.metadata import RequestOutput, StepBatch, StepMetadata, block_keys
 from r3cache.connector.requests import NO_CURSOR, RequestTable
 from r3cache.errors import (
     BlockNotFoundError,
@@ -23,7 +23,7 @@ from r3cache.errors import (
     R3Error,
 )
 from r3cache.layout import RoutingLayout
-from r3cache.manifest import BlockRef, Manifest, check_request_id
+from r3cache.manifest import BlockRef, BlockSpan, Manifest, check_request_id
 from r3cache.metrics import SOURCES
 from r3cache.store.base import BlockStore
 from r3cache.store.memory import MemoryBlockStore
@@ -39,7 +39,7 @@ class WorkerStats:
     steps: int = 0
     rows_captured: int = 0
     blocks_published: int = 0
-    blocks_read: int = 0  # blocks read back from the store to serve prefix hits
+    blocks_read: int = 0  # stored blocks that served prefix hits (this step's or the store's)
     manifests: int = 0  # finished requests recorded for offline read-back
     # Typed store errors raised to the engine, by class name.
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -91,10 +91,14 @@ class PendingOutput:
     def process_output(self) -> dict[str, RequestOutput]:
         return self.connector.process_output(self)
 
-    def covers(self, slot: int) -> bool:
+    def slot_set(self) -> set[int]:
+        """The slots this step covers."""
         if self._slot_set is None:
             self._slot_set = set(self.slots.tolist())
-        return slot in self._slot_set
+        return self._slot_set
+
+    def covers(self, slot: int) -> bool:
+        return slot in self.slot_set()
 
     def _await_copy(self) -> None:
         if self.routed_experts is None:
@@ -112,9 +116,11 @@ def _integer_array(values: Any, name: str) -> np.ndarray:
     return array
 
 
-def _integers(values: Any, name: str, n: int | None = None, copy: bool = True) -> np.ndarray:
-    """The first ``n`` of ``values`` as int64, a copy of its own unless ``copy`` is false."""
-    return _integer_array(values, name)[:n].astype(np.int64, copy=copy)
+def _integers(values: Any, name: str, n: int | None = None) -> np.ndarray:
+    """The first ``n`` of ``values`` as int64, a copy of its own."""
+    if values.__class__ is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
+        return values[:n].astype(np.int64)  # an engine's own array: the usual case
+    return _integer_array(values, name)[:n].astype(np.int64)
 
 
 def _int_list(values: Any, name: str) -> list[int]:
@@ -127,6 +133,8 @@ def _int_list(values: Any, name: str) -> list[int]:
 
 def _counts(values: Any, n: int, name: str) -> np.ndarray:
     """One count per request, checked by shape and dtype only (see enqueue_cpu_copy)."""
+    if values.__class__ is np.ndarray and values.shape == (n,) and values.dtype.kind in "iu":
+        return values  # an engine's own array: the usual case
     array = _integer_array(values, name)
     if len(array) != n:
         raise InvalidBatchError(f"{name} has {len(array)} entries for {n} requests")
@@ -204,7 +212,9 @@ class WorkerConnector:
                 store = spawn_writer(store, max_pending=2 * max_num_seqs, max_wait=store_wait)
             store = TieredBlockStore(local, store, max_pending=2 * max_num_seqs,
                                      max_wait=store_wait, on_unavailable=on_unavailable)
-        elif background:
+        elif background and not isinstance(store, MemoryBlockStore):
+            # The embedded store is written in place: its puts are dict updates and copies
+            # under the GIL, which a writer thread would only hand back and forth.
             store = BackgroundBlockStore(store, max_pending=2 * max_num_seqs,
                                          max_wait=store_wait, on_unavailable=on_unavailable)
         self.store = store
@@ -252,7 +262,9 @@ class WorkerConnector:
                 check_request_id(req_id)
         req_ids = list(metadata.requests)
         emit_starts = _int_list(metadata.requests.values(), "emit starts")
-        slots = None if reset else self._check_emit_starts(req_ids, emit_starts)
+        # Most steps register no request: nothing to look up.
+        slots = None if reset else (self._check_emit_starts(req_ids, emit_starts)
+                                    if req_ids else [])
         unknown = [r for r in (*metadata.block_hashes, *finished)
                    if r not in metadata.requests and r not in registered]
         for req_id, name in metadata.record_as.items():
@@ -263,8 +275,7 @@ class WorkerConnector:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
             raise MetadataError(f"request {unknown[0]!r} is not registered with the worker "
                                 f"connector{more}")
-        new_keys = {r: [block_key(h) for h in hashes]
-                    for r, hashes in metadata.block_hashes.items()}
+        new_keys = {r: block_keys(hashes) for r, hashes in metadata.block_hashes.items()}
         with self._lock:
             release: list[str] = []
             if reset:
@@ -316,10 +327,12 @@ class WorkerConnector:
         slots = slots.tolist()
         if not any(map(operator.gt, emit_starts, worker)):
             return slots
+        # With steps in flight the scheduler runs ahead of every request they cover.
+        busy = set().union(*(p.slot_set() for p in self._inflight))
         for i, (start, emit) in enumerate(zip(emit_starts, worker)):
             # A slot of -1 reads some row: only known, settled slots count.
             if (start > emit and slots[i] >= 0 and slots[i] not in table.finishing
-                    and not self._in_flight(slots[i])):
+                    and slots[i] not in busy):
                 raise CursorError(f"request {req_ids[i]!r}: scheduler emit start {start} is "
                                   f"ahead of the worker's {emit}")
         return slots
@@ -368,6 +381,9 @@ class WorkerConnector:
 
         One store call, so the manifests hold their blocks before the request lets go.
         """
+        if not slots:  # most steps: no request ends
+            self._put(objects or {}, retain, release)
+            return
         table = self._table
         manifests = [self._manifest(s) for s in slots if s in table.completion]
         release = [*release, *(k for s in slots for k in reversed(table.keys[s]))]
@@ -381,11 +397,11 @@ class WorkerConnector:
         bs = self.layout.block_size
         completion = table.completion[slot]
         lo, hi = completion.prompt_start, completion.num_tokens - 1
-        segments: list = []
+        segments: list | BlockSpan = []
         if lo < hi:
             head, keys, tail = self._spans(slot, lo, hi, {}, hi // bs)
-            segments = [*map(self._segment, head), *(BlockRef(k, 0, bs) for k in keys),
-                        *map(self._segment, tail)]
+            segments = BlockSpan([*map(self._segment, head)], keys,
+                                 [*map(self._segment, tail)], bs)
         return Manifest(table.record_as.get(slot) or table.req_id[slot],
                         self.layout.fingerprint, completion, segments)
 
@@ -427,32 +443,34 @@ class WorkerConnector:
                 f"entries, got {len(qsl)} and {len(starts)}"
             )
         counts = qsl[1:] - qsl[:-1]
-        if n and min(counts.tolist()) <= 0:
+        first, rows_end = qsl[[0, -1]].tolist()
+        # One test for the usual batch; the failing one is told apart below.
+        if n and (min(counts.tolist()) <= 0 or first < 0 or min(starts.tolist()) < 0):
+            if first < 0 or starts.min() < 0:
+                raise InvalidBatchError("query_start_loc and num_computed_tokens must be >= 0")
             bad = int(np.argmax(counts <= 0))
             raise InvalidBatchError(
                 f"request {req_ids[bad]!r} has {int(counts[bad])} rows in the batch; "
                 "query_start_loc must increase (rows must not overlap)"
             )
-        if n and (qsl[0] < 0 or min(starts.tolist()) < 0):
-            raise InvalidBatchError("query_start_loc and num_computed_tokens must be >= 0")
         snapshot = None
         if routed_experts is None:
             if self.capturer is None:
                 raise InvalidBatchError("routed_experts is required: no capturer is bound")
-            if qsl[-1] > self.max_num_batched_tokens:
+            if rows_end > self.max_num_batched_tokens:
                 raise InvalidBatchError(
-                    f"the batch covers {int(qsl[-1])} rows, max_num_batched_tokens is "
+                    f"the batch covers {rows_end} rows, max_num_batched_tokens is "
                     f"{self.max_num_batched_tokens}"
                 )
-            snapshot = self.capturer.snapshot(int(qsl[-1]))
+            snapshot = self.capturer.snapshot(rows_end)
         else:
             self.layout.check_rows(routed_experts, "routed_experts")
-            if n and len(routed_experts) < qsl[-1]:
+            if n and len(routed_experts) < rows_end:
                 raise InvalidBatchError(f"routed_experts has {len(routed_experts)} rows, "
-                                        f"the batch covers {int(qsl[-1])}")
+                                        f"the batch covers {rows_end}")
             # One copy per step into an array the connector owns: the caller reuses its
             # buffer (a capture buffer, a pinned slot), and outputs are slices of this one.
-            routed_experts = routed_experts[: int(qsl[-1]) if n else 0].copy()
+            routed_experts = routed_experts[: rows_end if n else 0].copy()
         with self._lock:
             if len(self._inflight) >= self.max_concurrent_batches:
                 raise InvalidBatchError(
@@ -547,8 +565,8 @@ class WorkerConnector:
         self.stats.rows_captured += len(kept)
 
         ends = end.tolist()
-        own = self._capture(slots, start, end, ends, row0, rows, req, offset,
-                            kept if one_each else None)
+        own, published = self._capture(slots, start, end, ends, row0, rows, req, offset,
+                                       kept if one_each else None)
 
         # Per request in Python, one pass: the few hundred requests of a step cost less so
         # than a dozen numpy calls over them would.
@@ -568,7 +586,7 @@ class WorkerConnector:
                 later.append(i)  # owed rows from before this step's capture start
         table.emit[slots] = emits
         if later:
-            self._materialise(pending, later, old, ends, own, outputs)
+            self._materialise(pending, later, old, ends, own, published, outputs)
         return outputs
 
     def _check_cursors(self, pending: PendingOutput, cursor, scheduled) -> None:
@@ -589,14 +607,14 @@ class WorkerConnector:
             )
 
     def _capture(self, slots, start, end, ends, row0, rows, req, offset, one_each=None
-                 ) -> dict[tuple[int, int], np.ndarray]:
+                 ) -> tuple[dict[tuple[int, int], np.ndarray], dict[str, np.ndarray]]:
         """Write the step's valid rows into tails; publish or park the blocks they complete.
 
         Vectorised over all rows of the step: no Python loop per token. ``one_each``
         holds the kept rows when every request kept exactly one (decode): then each row
         lands in its request's tail and completes at most that block. ``ends`` is
-        ``end`` as a list. Returns the blocks completed here, by (slot, block index),
-        for materialisation.
+        ``end`` as a list. Returns the blocks completed here, by (slot, block index) and
+        (those with keys) by key, for materialisation.
         """
         table = self._table
         bs = self.layout.block_size
@@ -606,7 +624,7 @@ class WorkerConnector:
             # A row completes its block when it is the block's last (`end` on a boundary).
             done_first = [i for i, z in enumerate(ends) if z % bs == 0]
             if not done_first:
-                return {}
+                return {}, {}
             done_first = np.array(done_first)
         elif len(req):
             end_block = end // bs  # block holding `end`: the tail after this step
@@ -617,87 +635,94 @@ class WorkerConnector:
             # A block is done when the step's rows reach past it (no rows: end == start).
             done_first = (end_block > first_block).nonzero()[0]
         else:
-            return {}
+            return {}, {}
         # A first block this incarnation did not capture from its start is a prefix
         # hit: the store already has it, and its tail rows before owned_from are void.
         owned = first_block[done_first] * bs >= table.owned_from[slots[done_first]]
         head = done_first[owned]
         block_req = [head]
         block_idx = [first_block[head]]
-        blocks = [table.tail[slots[head]]]
+        blocks = list(table.tail[slots[head]])  # copies: the tails are reused
+        fresh = len(blocks)
         if one_each is None:
             middle = np.maximum(end_block - first_block - 1, 0)
             if middle.any():
-                mid_req = np.repeat(np.arange(len(slots)), middle)
-                mid_idx = first_block[mid_req] + 1 + (
-                    np.arange(int(middle.sum())) - np.repeat(np.cumsum(middle) - middle, middle)
-                )
-                first_row = row0[mid_req] + mid_idx * bs - start[mid_req]
-                block_req.append(mid_req)
-                block_idx.append(mid_idx)
-                blocks.append(rows[first_row[:, None] + self._block_offsets])
+                # Whole blocks inside one request's kept rows (contiguous, rejected drafts
+                # come last): views of the step's rows, an array no later step writes.
+                # The store copies what it keeps.
+                for i in middle.nonzero()[0].tolist():
+                    m, j = int(middle[i]), int(first_block[i]) + 1
+                    at = int(row0[i]) + j * bs - int(start[i])
+                    blocks.extend(rows[at : at + m * bs].reshape(m, *self.layout.block_shape))
+                    block_req.append(np.full(m, i))
+                    block_idx.append(np.arange(j, j + m))
             in_last = ~in_first & ((pos // bs) == end_block[req])
             table.tail[slots[req[in_last]], pos[in_last] % bs] = rows[src[in_last]]
-        if len(blocks) > 1:
-            block_req, block_idx, blocks = map(np.concatenate, (block_req, block_idx, blocks))
+        if len(block_req) > 1:
+            block_req, block_idx = np.concatenate(block_req), np.concatenate(block_idx)
         else:
-            (block_req,), (block_idx,), (blocks,) = block_req, block_idx, blocks
-        return self._publish(slots[block_req], block_idx, blocks)
+            (block_req,), (block_idx,) = block_req, block_idx
+        return self._publish(slots[block_req], block_idx, blocks, fresh)
 
-    def _publish(self, block_slots, block_idx, blocks) -> dict[tuple[int, int], np.ndarray]:
+    def _publish(self, block_slots, block_idx, blocks, fresh: int
+                 ) -> tuple[dict[tuple[int, int], np.ndarray], dict[str, np.ndarray]]:
+        """Put the keyed blocks, park the others until their hash arrives. Blocks from
+        ``fresh`` on are views of the step's rows: a parked one is copied, so it does not
+        keep the whole step alive. Returns the blocks by (slot, block index) and the
+        keyed ones by key."""
         table = self._table
         own: dict[tuple[int, int], np.ndarray] = {}
         objects: dict[str, np.ndarray] = {}
         keyed = block_idx < table.nkeys[block_slots]
-        for s, j, k, block in zip(block_slots.tolist(), block_idx.tolist(), keyed.tolist(), blocks):
+        for n, (s, j, k, block) in enumerate(zip(block_slots.tolist(), block_idx.tolist(),
+                                                  keyed.tolist(), blocks)):
             own[(s, j)] = block
             if k:
                 objects[table.keys[s][j]] = block
             else:
-                table.unkeyed.setdefault(s, {})[j] = block
+                table.unkeyed.setdefault(s, {})[j] = block if n < fresh else block.copy()
         self._put(objects)
-        return own
+        return own, objects
 
-    def _materialise(self, pending, later, emit, end, own, outputs) -> None:
+    def _materialise(self, pending, later, emit, end, own, published, outputs) -> None:
         """Serve rows owed before this step's capture start (prefix hits, chunked prefill).
 
         The whole batch was published first, so a consumer may read a block that a
-        producer completed earlier in the same batch.
+        producer completed earlier in the same batch: those come from ``published``
+        without waiting for the writer; the other keys in one store read, each once.
+        Each request's rows are one array of its own.
         """
         bs = self.layout.block_size
         table = self._table
         plans = []
-        store_keys: list[str] = []
-
-        def locate(parts):
-            # Store-backed parts become (index of the block in the one store read, a, b).
-            located = []
-            for source, a, b in parts:
-                if isinstance(source, str):
-                    store_keys.append(source)
-                    source = len(store_keys) - 1
-                located.append((source, a, b))
-            return located
-
+        wanted: dict[str, None] = {}  # keys to read from the store, first use first
+        served = 0  # block reads the prefix hits make, wherever the block comes from
         for i in later:
             slot = int(pending.slots[i])
             # Whole blocks before this incarnation's capture exist only in the store.
             head, keys, tail = self._spans(slot, emit[i], end[i], own,
                                            int(table.owned_from[slot]) // bs,
                                            pending.req_ids[i])
-            head = locate(head)
-            prefix = (len(store_keys), len(keys))
-            store_keys.extend(keys)
-            plans.append((i, emit[i], head, prefix, locate(tail)))
-        stored = self._read_store(store_keys, pending, plans)
+            for key in (*(p[0] for p in head), *keys, *(p[0] for p in tail)):
+                if isinstance(key, str):
+                    served += 1
+                    if key not in published:
+                        wanted[key] = None
+            plans.append((i, emit[i], head, keys, tail))
+        found = published
+        if wanted:
+            keys = list(wanted)
+            stored = self._read_store(keys, pending, plans)
+            found = {**published, **{k: stored[n * bs : (n + 1) * bs]
+                                     for n, k in enumerate(keys)}}
 
         def rows(parts):
-            return [(stored[p * bs : (p + 1) * bs] if isinstance(p, int) else p)[a:b]
-                    for p, a, b in parts]
+            return [(found[p] if isinstance(p, str) else p)[a:b] for p, a, b in parts]
 
-        for i, lo, head, (at, count), tail in plans:
-            pieces = [*rows(head), stored[at * bs : (at + count) * bs], *rows(tail)]
+        for i, lo, head, keys, tail in plans:
+            pieces = [*rows(head), *(found[k] for k in keys), *rows(tail)]
             outputs[pending.req_ids[i]] = RequestOutput(lo, np.concatenate(pieces))
+        self.stats.blocks_read += served
 
     def _sources(self, slot: int, lo: int, hi: int, own, req_id: str | None = None
                  ) -> list[tuple[np.ndarray | str, int, int]]:
@@ -747,7 +772,6 @@ class WorkerConnector:
                 cause="a prefix-cache hit on a block the store no longer holds "
                 "(evicted after its last release, or never published)",
             ) from exc
-        self.stats.blocks_read += len(keys)
         return stored
 
     # -- shutdown -----------------------------------------------------------------

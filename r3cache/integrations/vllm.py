@@ -35,7 +35,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import xxhash
 
-from r3cache.connector.metadata import StepBatch, StepMetadata
+from r3cache.connector.metadata import PackedHashes, StepBatch, StepMetadata
 from r3cache.connector.worker import WorkerConnector
 from r3cache.errors import ContractError, IntegrationError
 from r3cache.layout import RoutingLayout
@@ -305,16 +305,17 @@ class VllmWorkerConnector:
             return
         self.worker.begin_step(StepMetadata(
             metadata.generation, metadata.requests,
-            {r: list(packed) for r, packed in metadata.block_hashes.items()},
+            {r: PackedHashes(packed.data, packed.item_size)
+             for r, packed in metadata.block_hashes.items()},
             metadata.finished_requests, getattr(metadata, "completions", {}),
             getattr(metadata, "record_as", {})))
 
     def prepare_output(self, input_batch):
         if self.worker is None or not self._metadata_seen:
             return None  # a dummy or profiling run
-        n = len(input_batch.req_ids)
+        n = len(input_batch.req_ids)  # the worker copies what it keeps
         return self.worker.prepare_output(StepBatch(
-            list(input_batch.req_ids), input_batch.num_computed_tokens_np[:n],
+            input_batch.req_ids, input_batch.num_computed_tokens_np[:n],
             input_batch.query_start_loc_np[: n + 1]))
 
     def close(self) -> None:

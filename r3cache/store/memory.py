@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -53,14 +53,13 @@ class MemoryBlockStore:
         """Store blocks, then pin, then unpin; returns the keys this call pinned from no
         pin and the keys whose last pin it dropped, in call order (a tier in front of a
         durable store forwards only those)."""
-        for key, rows in objects.items():
-            self.layout.check_block(rows, f"block {key!r}")
+        self.layout.check_blocks(objects)
         with self._lock:
             self._check_open()
             new = {k: v for k, v in objects.items() if k not in self._blocks}
             pinned = [*retain_keys, *(k for m in manifests for k in m.block_keys)]
-            self._reserve(sum(v.nbytes for v in new.values()), pinned)
-            first = [key for key in retain_keys if self._retain(key)]
+            self._reserve(len(new) * self.layout.block_nbytes, pinned)  # checked above
+            first = self._retain(retain_keys)
             for key, rows in objects.items():
                 if key in new:
                     self._insert(key, rows)
@@ -70,15 +69,13 @@ class MemoryBlockStore:
                     # Immutable: the first writer wins; the caller reads its own rows.
                     self._conflicts += 1
             for manifest in manifests:
-                for key in manifest.block_keys:
-                    self._retain(key)
+                self._retain(manifest.block_keys)
                 # A reused request id replaces its manifest, and the old one's holds go.
                 replaced = self._manifests.pop(manifest.request_id, None)
                 if replaced is not None:
-                    for key in reversed(replaced.block_keys):
-                        self._release(key)
+                    self._release(reversed(replaced.block_keys))
                 self._manifests[manifest.request_id] = manifest
-            last = [key for key in release_keys if self._release(key)]
+            last = self._release(release_keys)
         return first, last
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
@@ -91,8 +88,7 @@ class MemoryBlockStore:
             self._check_open()
             found = [self._manifests.pop(r) for r in request_ids if r in self._manifests]
             for manifest in found:
-                for key in reversed(manifest.block_keys):
-                    self._release(key)
+                self._release(reversed(manifest.block_keys))
             return len(found)
 
     def _reserve(self, nbytes: int, retain_keys: Collection[str]) -> None:
@@ -129,25 +125,35 @@ class MemoryBlockStore:
         if not self._refs.get(key):
             self._make_idle(key)
 
-    def _retain(self, key: str) -> bool:
-        """Pin ``key``; whether it had no pin before."""
-        count = self._refs.get(key, 0)
-        self._refs[key] = count + 1
-        if self._idle.pop(key, 0) is None:
-            self._idle_bytes -= self._blocks[key].nbytes
-        return count == 0
+    def _retain(self, keys: Iterable[str]) -> list[str]:
+        """Pin ``keys``; returns those that had no pin before. One loop for a whole put
+        (a prefill step pins hundreds of keys): no call per key."""
+        refs, idle, blocks = self._refs, self._idle, self._blocks
+        first = []
+        for key in keys:
+            count = refs.get(key, 0)
+            refs[key] = count + 1
+            if count == 0:
+                first.append(key)
+                if idle.pop(key, 0) is None:
+                    self._idle_bytes -= blocks[key].nbytes
+        return first
 
-    def _release(self, key: str) -> bool:
-        """Unpin ``key``; whether it now has no pin (also when it had none)."""
-        count = self._refs.get(key, 0)
-        if count > 1:
-            self._refs[key] = count - 1
-            return False
-        # Counts never go negative: releasing an unheld key changes nothing.
-        self._refs.pop(key, None)
-        if count == 1 and key in self._blocks:
-            self._make_idle(key)
-        return True
+    def _release(self, keys: Iterable[str]) -> list[str]:
+        """Unpin ``keys``; returns those that now have no pin (also when they had none)."""
+        refs, blocks = self._refs, self._blocks
+        last = []
+        for key in keys:
+            count = refs.get(key, 0)
+            if count > 1:
+                refs[key] = count - 1
+                continue
+            # Counts never go negative: releasing an unheld key changes nothing.
+            refs.pop(key, None)
+            last.append(key)
+            if count == 1 and key in blocks:
+                self._make_idle(key)
+        return last
 
     def _make_idle(self, key: str) -> None:
         self._idle[key] = None

@@ -182,8 +182,7 @@ class RedisBlockStore:
         self._check_open()
         if (retain_keys or release_keys or manifests) and self._lease is None:
             raise ContractError("a store opened with lease=False cannot hold blocks")
-        for key, rows in objects.items():
-            self.layout.check_block(rows, f"block {key!r}")  # before anything is sent
+        self.layout.check_blocks(objects)  # before anything is sent
         with redis_errors(self.namespace, "writing blocks"), self._hold_lock:
             if not manifests:
                 self._write(objects, retain_keys, release_keys)
