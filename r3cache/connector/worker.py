@@ -443,10 +443,13 @@ class WorkerConnector:
                 f"entries, got {len(qsl)} and {len(starts)}"
             )
         counts = qsl[1:] - qsl[:-1]
-        first, rows_end = qsl[[0, -1]].tolist()
-        # One test for the usual batch; the failing one is told apart below.
-        if n and (min(counts.tolist()) <= 0 or first < 0 or min(starts.tolist()) < 0):
-            if first < 0 or starts.min() < 0:
+        bounds = qsl.tolist()
+        rows_end = bounds[-1]
+        # One test for the usual batch, in Python over a few hundred ints (each numpy
+        # call costs more); the failing one is told apart below.
+        if n and (bounds[0] < 0 or not all(map(operator.lt, bounds, bounds[1:]))
+                  or min(starts.tolist()) < 0):
+            if bounds[0] < 0 or starts.min() < 0:
                 raise InvalidBatchError("query_start_loc and num_computed_tokens must be >= 0")
             bad = int(np.argmax(counts <= 0))
             raise InvalidBatchError(
@@ -576,12 +579,14 @@ class WorkerConnector:
         starts, firsts, kept = start.tolist(), row0.tolist(), valid.tolist()
         outputs: dict[str, RequestOutput] = {}
         later = []
+        new = tuple.__new__  # RequestOutput(e, rows), without the Python-level __new__
         for i, (e, a, z, n) in enumerate(zip(old, starts, ends, sampled.tolist())):
             if n <= 0 or e > z:
                 continue  # owed nothing this step
             emits[i] = z
             if e >= a:
-                outputs[ids[i]] = RequestOutput(e, rows[firsts[i] + e - a : firsts[i] + kept[i]])
+                outputs[ids[i]] = new(RequestOutput,
+                                      (e, rows[firsts[i] + e - a : firsts[i] + kept[i]]))
             else:
                 later.append(i)  # owed rows from before this step's capture start
         table.emit[slots] = emits
