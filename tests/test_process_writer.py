@@ -11,6 +11,7 @@ import pytest
 from r3cache import RoutingLayout, WorkerConnector, open_store
 from r3cache.errors import StoreUnavailableError, WriterError
 from r3cache.sim import Engine, SimConfig, SimRequest, oracle_rows
+from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.tiered import TieredBlockStore
 from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import ProcessWriter
@@ -39,7 +40,7 @@ def test_the_simulator_verifies_with_a_process_writer(redis_url, namespace):
 @pytest.mark.parametrize(("url", "policy", "writer"), [
     ("redis", "raise", ProcessWriter),
     ("redis", "incomplete", BackgroundBlockStore),  # the helper knows "raise" only
-    ("memory", "raise", BackgroundBlockStore),  # nothing for a helper to reopen
+    ("memory", "raise", MemoryBlockStore),  # written in place: no writer at all
 ])
 def test_the_default_writer_is_the_helper_process_for_redis(request, namespace, url, policy,
                                                            writer):
