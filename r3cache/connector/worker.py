@@ -262,7 +262,7 @@ class WorkerConnector:
                 check_request_id(req_id)
         req_ids = list(metadata.requests)
         emit_starts = _int_list(metadata.requests.values(), "emit starts")
-        # Most steps register no request: nothing to look up.
+        # A step that lists no request (a hash-only update) has nothing to look up.
         slots = None if reset else (self._check_emit_starts(req_ids, emit_starts)
                                     if req_ids else [])
         unknown = [r for r in (*metadata.block_hashes, *finished)
