@@ -137,10 +137,11 @@ class RoutingLayout:
 def repeats_an_expert(rows: np.ndarray) -> bool:
     """Whether any (token, layer) of ``(n, layers, topk)`` rows lists an expert twice.
 
-    Column ``i`` against every later column in one broadcast compare: topk - 1 numpy
-    calls in all (about 15 times faster than sorting each row). Few calls matter as
-    much as few bytes: the reader runs this on a helper thread, and each call takes the
-    GIL back from the thread that is reading the next blocks.
+    On the topk columns (about 15 times faster than sorting each row): for a few rows
+    (a decode step) one topk x topk compare of all columns, else column ``i`` against
+    every later column, topk - 1 calls. Few calls matter as much as few bytes: the
+    reader runs this on a helper thread, and each call takes the GIL back from the
+    thread that is reading the next blocks.
     """
     topk = rows.shape[-1]
     columns = np.ascontiguousarray(rows.reshape(-1, topk).T)
