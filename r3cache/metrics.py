@@ -297,16 +297,18 @@ def collector():
     return R3Collector()
 
 
-_REGISTERED: dict[int, Any] = {}
+# Registries that have the collector, by the registry itself: an id would be reused by
+# a new registry once an old one is collected, which then never got the collector.
+_REGISTERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def register(registry: Any = None) -> Any:
     """Add r3cache's collector to ``registry`` (default: prometheus_client's), once."""
     if registry is None:
         from prometheus_client import REGISTRY as registry
-    if id(registry) not in _REGISTERED:
-        _REGISTERED[id(registry)] = collector()
-        registry.register(_REGISTERED[id(registry)])
+    if registry not in _REGISTERED:
+        _REGISTERED[registry] = collector()
+        registry.register(_REGISTERED[registry])
     return registry
 
 

@@ -254,3 +254,14 @@ def test_engine_steps_call_no_metrics_code_but_the_wait_timing():
     for *_, calls, waits, steps in rows:
         assert int(calls) <= int(waits) and int(steps) == 20
     assert "rendered once a second" in out
+
+
+def test_every_new_registry_gets_the_collector():
+    """A registry made after another was collected (often at the same address) still
+    gets r3cache's metrics from register()."""
+    from prometheus_client import generate_latest
+
+    for _ in range(50):
+        registry = metrics.register(CollectorRegistry())
+        assert b"r3cache_engine_steps_total" in generate_latest(registry)
+        del registry
