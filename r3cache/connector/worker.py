@@ -28,6 +28,7 @@ from r3cache.metrics import SOURCES
 from r3cache.store.base import BlockStore
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.tiered import TieredBlockStore
+from r3cache.store.writers import choose_writer
 from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import spawn_writer
 
@@ -173,17 +174,7 @@ class WorkerConnector:
             )
         if max_concurrent_batches < 1:
             raise InvalidBatchError("max_concurrent_batches must be >= 1")
-        if writer not in ("auto", "thread", "process"):
-            raise ContractError(f"writer must be 'auto', 'thread' or 'process', not {writer!r}")
-        if writer == "auto":
-            # The helper process is what keeps a step near the embedded store's cost with
-            # Redis behind it; it knows only the "raise" policy, so "incomplete" keeps the
-            # thread, as do stores a helper cannot reopen (memory, already wrapped).
-            reopenable = getattr(store, "reopen_args", None) is not None
-            writer = "process" if reopenable and on_unavailable == "raise" else "thread"
-        if writer == "process" and on_unavailable != "raise":
-            # Said here rather than ignored: the helper process only knows "raise".
-            raise ContractError("writer='process' supports on_unavailable='raise' only")
+        writer = choose_writer(store, writer, on_unavailable)
         if capturer is not None and capturer.layout != layout:
             raise LayoutMismatchError(
                 f"capturer layout {capturer.layout.fingerprint} != connector layout "

@@ -29,15 +29,12 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
-
-import xxhash
 
 from r3cache.connector.metadata import PackedHashes, StepBatch, StepMetadata
 from r3cache.connector.worker import WorkerConnector
-from r3cache.errors import ContractError, IntegrationError
+from r3cache.errors import IntegrationError
+from r3cache.integrations import engine
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Completion
 from r3cache.store import open_store
@@ -229,8 +226,7 @@ def _scheduler_connector_class(base):
             super().__init__()
             self._completions: dict[str, Completion] = {}
             self._record_as: dict[str, str] = {}
-            self._inline = os.environ.get("R3CACHE_INLINE", "1").lower() not in ("0", "false",
-                                                                                  "no")
+            self._inline = engine.inline()
 
         def build_connector_meta(self, scheduler_output, requests):
             meta = super().build_connector_meta(scheduler_output, requests)
@@ -373,55 +369,24 @@ def _publish_metrics() -> None:
     core's)."""
     if _METRICS_PUBLISHED:
         return
-    port = os.environ.get("R3CACHE_METRICS_PORT")
-    if port and (not port.isdigit() or not 0 < int(port) < 65536):
-        raise ContractError(f"R3CACHE_METRICS_PORT must be a TCP port, not {port!r}")
+    port = engine.metrics_port()
     from r3cache import metrics
 
     directory = os.environ.get(_METRICS_DIR)
     if directory:
         _METRICS_PUBLISHED.append(metrics.export(directory))
     if port:
-        _METRICS_PUBLISHED.append(metrics.serve(int(port)))
+        _METRICS_PUBLISHED.append(metrics.serve(port))
         log.info("r3cache: metrics on port %s (/metrics)", port)
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:
     """R3CACHE_URL as (the store URL, the WorkerConnector options in its query)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    options: dict[str, Any] = {}
-    for key, value in query:
-        if key in _CONNECTOR_OPTIONS:
-            try:
-                options[key] = _CONNECTOR_OPTIONS[key](value)
-            except ValueError:
-                raise ContractError(f"R3CACHE_URL option {key} has an invalid value "
-                                    f"{value!r}") from None
-    rest = urlencode([(k, v) for k, v in query if k not in _CONNECTOR_OPTIONS])
-    return urlunsplit(parts._replace(query=rest)), options
+    return engine.split_url(url, _CONNECTOR_OPTIONS)
 
 
 def default_namespace(model_config) -> str:
-    """``<served model name>@<weights revision>``: new weights, new namespace.
-
-    The revision is the Hub revision when one was asked for, else a digest of the weight
-    files' names, sizes and modification times (a local checkpoint directory).
-    """
+    """``<served model name>@<weights revision>`` (``engine.default_namespace``)."""
     served = model_config.served_model_name
-    name = (served[0] if isinstance(served, list) else served) or model_config.model
-    name = Path(str(name).rstrip("/")).name if os.path.isdir(str(name)) else str(name)
-    revision = model_config.revision or _weights_digest(model_config.model)
-    namespace = re.sub(r"[^A-Za-z0-9._@+/=-]", "-", f"{name}@{revision or 'main'}")
-    return namespace[:200]
-
-
-def _weights_digest(path: str) -> str | None:
-    folder = Path(path)
-    if not folder.is_dir():
-        return None
-    digest = xxhash.xxh3_64()
-    for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
-        stat = weights.stat()
-        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-    return digest.hexdigest()[:12]
+    return engine.default_namespace(served[0] if isinstance(served, list) else served,
+                                    model_config.model, model_config.revision)

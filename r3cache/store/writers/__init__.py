@@ -1,3 +1,29 @@
 """Writers that take puts off the engine thread: a thread (background), or a helper
 process fed through a shared-memory ring (process, ring, helper); both bound every wait
 (bounded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from r3cache.errors import ContractError
+
+WRITERS = ("auto", "thread", "process")
+
+
+def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
+    """``thread`` or ``process``: the writer an engine puts ``store`` behind.
+
+    ``auto`` is the helper process where it can serve: it is what keeps an engine's step
+    near the embedded store's cost with Redis behind it, but it knows only the "raise"
+    policy and needs a store it can reopen (Redis), so anything else gets the thread.
+    """
+    if writer not in WRITERS:
+        raise ContractError(f"writer must be 'auto', 'thread' or 'process', not {writer!r}")
+    if writer == "auto":
+        reopenable = getattr(store, "reopen_args", None) is not None
+        return "process" if reopenable and on_unavailable == "raise" else "thread"
+    if writer == "process" and on_unavailable != "raise":
+        # Said here rather than ignored: the helper process only knows "raise".
+        raise ContractError("writer='process' supports on_unavailable='raise' only")
+    return writer

@@ -1,0 +1,74 @@
+"""What every engine plugin reads from its environment: R3CACHE_URL and its options, the
+default namespace, R3CACHE_INLINE and R3CACHE_METRICS_PORT."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import xxhash
+
+from r3cache.errors import ContractError
+
+
+def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str, dict[str, Any]]:
+    """R3CACHE_URL as (the store URL, the plugin's own options in its query).
+
+    ``known`` maps each option the plugin takes to its type; the rest of the query is the
+    store's.
+    """
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    options: dict[str, Any] = {}
+    for key, value in query:
+        if key in known:
+            try:
+                options[key] = known[key](value)
+            except ValueError:
+                raise ContractError(f"R3CACHE_URL option {key} has an invalid value "
+                                    f"{value!r}") from None
+    rest = urlencode([(k, v) for k, v in query if k not in known])
+    return urlunsplit(parts._replace(query=rest)), options
+
+
+def inline() -> bool:
+    """Whether responses keep their inline routes (R3CACHE_INLINE, default on)."""
+    return os.environ.get("R3CACHE_INLINE", "1").lower() not in ("0", "false", "no")
+
+
+def metrics_port() -> int | None:
+    """R3CACHE_METRICS_PORT, checked: the port the plugin serves its metrics on."""
+    port = os.environ.get("R3CACHE_METRICS_PORT")
+    if not port:
+        return None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ContractError(f"R3CACHE_METRICS_PORT must be a TCP port, not {port!r}")
+    return int(port)
+
+
+def default_namespace(served_name: str | None, model: str, revision: str | None) -> str:
+    """``<served model name>@<weights revision>``: new weights, new namespace.
+
+    The revision is the Hub revision when one was asked for, else a digest of the weight
+    files' names, sizes and modification times (a local checkpoint directory).
+    """
+    name = served_name or model
+    name = Path(str(name).rstrip("/")).name if os.path.isdir(str(name)) else str(name)
+    revision = revision or _weights_digest(model)
+    namespace = re.sub(r"[^A-Za-z0-9._@+/=-]", "-", f"{name}@{revision or 'main'}")
+    return namespace[:200]
+
+
+def _weights_digest(path: str) -> str | None:
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    digest = xxhash.xxh3_64()
+    for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()[:12]
