@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 CORE_STAMP := $(VENV)/.core
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm bench lint
+.PHONY: demo test test-vllm test-sglang bench lint
 
 # torch is an extra: the CPU build (pinned, so no multi-GB CUDA build is pulled) goes in
 # only where the environment has none, before anything that depends on torch.
@@ -57,3 +57,24 @@ $(VLLM_STAMP):
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	$(VLLM_VENV)/bin/python -m pytest tests_vllm
+
+# The SGLang suite runs real SGLang on this CPU, in a venv of its own like vLLM's (3 GB).
+# sglang and torchvision go in without their dependencies: sglang's metadata pins a CUDA
+# torch, and torchvision is imported (never used) at start-up; the test tree's shims
+# (tests_sglang/shims) make both start beside the CPU torch.
+SGLANG_VERSION := 0.5.23
+SGLANG_VENV ?= $(HOME)/.cache/r3cache/sglang-$(SGLANG_VERSION)
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP): tests_sglang/requirements.txt
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install --quiet "$(TORCH_CPU)"
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps "sglang==$(SGLANG_VERSION)" \
+		torchvision==0.28.0
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -r tests_sglang/requirements.txt
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(SGLANG_VENV)/bin/python -m pytest tests_sglang

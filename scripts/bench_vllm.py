@@ -120,8 +120,8 @@ def main() -> int:
     if args.one:
         run_one(*args.one)
         return 0
-    sys.path.insert(0, str(TESTS))
-    from tiny_model import build
+    sys.path.insert(0, str(ROOT))
+    from tests.tiny_model import build
 
     from r3cache.testing import RedisClusterProcesses, RedisServer
 

@@ -268,9 +268,10 @@ def check_vllm() -> None:
     from r3cache.testing import RedisServer
 
     tests = Path(__file__).resolve().parents[1] / "tests_vllm"
-    sys.path.insert(0, str(tests))
+    sys.path[:0] = [str(tests), str(tests.parent)]
     from conftest import grpo_prompts
-    from tiny_model import build
+
+    from tests.tiny_model import build
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:
         model = build(Path(tmp) / "model")

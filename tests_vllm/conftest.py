@@ -44,8 +44,7 @@ def grpo_prompts(groups: int = 3) -> list[str]:
 
 @pytest.fixture(scope="session")
 def model(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(HERE))
-    from tiny_model import build
+    from tests.tiny_model import build
 
     return build(tmp_path_factory.mktemp("tiny-qwen3-moe"))
 
