@@ -121,9 +121,8 @@ def main() -> int:
         run_one(*args.one)
         return 0
     sys.path.insert(0, str(ROOT))
-    from tests.tiny_model import build
-
     from r3cache.testing import RedisClusterProcesses, RedisServer
+    from tests.tiny_model import build
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as server, \
             RedisClusterProcesses() as cluster:

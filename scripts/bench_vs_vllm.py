@@ -97,7 +97,7 @@ class Scheduler:
                 self.sent[req] = full
         finished, self.finishing = self.finishing, []
         completions, self.completions = self.completions, {}
-        requests = {r: new[r] if r in new else (start if r in self.sampling else 0)
+        requests = {r: new.get(r, start if r in self.sampling else 0)
                     for r, start, _ in runs}
         meta = R3ConnectorMetadata(0, requests, hashes, tuple(finished), completions,
                                    {r: r for r in completions})

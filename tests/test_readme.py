@@ -28,6 +28,8 @@ README_URL = "redis://127.0.0.1:6379/0"  # the Redis every README command names
 ELSEWHERE = {
     ("bash", "Quick start"): ".ci/run (make demo, make test)",
     ("bash", "With vLLM"): "tests_vllm/test_vllm_serve.py",
+    ("bash", "With SGLang"): "tests_sglang/test_sglang_serve.py",
+    ("python", "With SGLang"): "tests_sglang/test_sglang_serve.py",
     ("python", "Training with Megatron-Core, verl, NeMo-RL, slime"): "tests/test_megatron.py",
     ("", "Deploying"): "tests/test_acl.py",
 }

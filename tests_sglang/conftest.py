@@ -9,7 +9,6 @@ PYTHONPATH) and the flags in ``CPU_FLAGS``.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shlex
@@ -22,7 +21,6 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from r3cache.testing import RedisClusterProcesses, free_port, machine_redis
@@ -84,9 +82,11 @@ class Server:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("R3CACHE_")}
         full_env.update(SGLANG_ENV)
         full_env.update(env)
+        # `python` is this venv's, as in the shell of a user who activated it.
+        full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env['PATH']}"
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-{port}.log"
         self._log_file = self.log.open("w")
-        self.process = subprocess.Popen(["bash", "-c", f"exec {command}"], env=full_env,
+        self.process = subprocess.Popen(["bash", "-c", command], env=full_env,
                                         stdout=self._log_file, stderr=subprocess.STDOUT,
                                         start_new_session=True)
 
@@ -132,19 +132,11 @@ class Server:
         self._log_file.close()
 
 
-def serve(model: Path, env: dict[str, str], flags: str = "") -> Server:
-    """``python -m sglang.launch_server`` on the tiny model with the plugin, starting."""
+def serve(model: Path, env: dict[str, str], flags: str = "--enable-return-routed-experts",
+          command: str | None = None) -> Server:
+    """SGLang's server on the tiny model with the plugin, starting: ``command`` (the
+    launch_server line of the README, say), or ``python -m sglang.launch_server``."""
     port = free_port()
-    command = (f"{shlex.quote(sys.executable)} -m sglang.launch_server --model-path "
-               f"{shlex.quote(str(model))} --enable-return-routed-experts --host 127.0.0.1 "
-               f"--port {port} {CPU_FLAGS} {flags}")
-    return Server(command, env, port)
-
-
-def inline_routes(response: dict, layout) -> np.ndarray | None:
-    """The routes SGLang returned inline: base64 of raw int32, flat, shaped here."""
-    payload = response["meta_info"].get("routed_experts")
-    if payload is None:
-        return None
-    flat = np.frombuffer(base64.b64decode(payload), dtype=np.int32)
-    return flat.reshape(-1, layout.num_layers, layout.topk)
+    command = command or (f"python -m sglang.launch_server --model-path "
+                          f"{shlex.quote(str(model))} {flags}")
+    return Server(f"{command} --host 127.0.0.1 --port {port} {CPU_FLAGS}", env, port)

@@ -8,7 +8,7 @@ import base64
 
 import numpy as np
 import pytest
-from conftest import grpo_prompts, inline_routes, new_namespace, serve
+from conftest import grpo_prompts, new_namespace, serve
 
 from r3cache import R3Reader
 
