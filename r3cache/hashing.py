@@ -97,10 +97,13 @@ def block_hashes(
     """
     digest = hasher(algo)
     current = digest(seed) if parent is None else parent
+    # Python ints, as the engine hashes them: one conversion for the sequence (an
+    # array's tolist) rather than one int() per token.
+    ids = token_ids.tolist() if hasattr(token_ids, "tolist") else [int(t) for t in token_ids]
     hashes: list[bytes] = []
-    for index in range(len(token_ids) // block_size):
+    for index in range(len(ids) // block_size):
         extra = extra_keys_per_block[index] if extra_keys_per_block else None
-        block = tuple(int(t) for t in token_ids[index * block_size : (index + 1) * block_size])
-        current = digest((current, block, extra))
+        current = digest((current, tuple(ids[index * block_size : (index + 1) * block_size]),
+                          extra))
         hashes.append(current)
     return hashes

@@ -91,7 +91,7 @@ class RequestPublisher:
         whole = max(hi, 0) // bs  # blocks whose every row was computed
         first = min(-(-lo // bs), whole)  # the first of them at or after prompt_start
         keys = [h.hex() for h in block_hashes(
-            tokens[: whole * bs].tolist(), bs, algo=self.store.hash_algo, seed=self.seed,
+            tokens[: whole * bs], bs, algo=self.store.hash_algo, seed=self.seed,
             extra_keys_per_block=[extra_keys] * whole if extra_keys is not None else None)]
         keys = keys[first:]
         objects = {key: owned[i * bs - lo : (i + 1) * bs - lo]
