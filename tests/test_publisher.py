@@ -133,3 +133,22 @@ def test_a_stalled_redis_is_answered_within_store_wait(tmp_path, namespace, layo
             server.kill(signal.SIGCONT)
         with contextlib.suppress(R3Error):  # what the store refused may be said again
             publisher.close()
+
+
+def test_published_requests_show_in_the_metrics(publisher, layout):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from r3cache import metrics
+
+    registry = CollectorRegistry()
+    metrics.register(registry)
+    for i in range(3):
+        publisher.publish(f"m{i}", list(range(40, 58)), _routes(layout, 17, seed=i))
+    publisher.flush()
+    scraped = {s.name: s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in f.samples if s.labels.get("namespace") == publisher.store.namespace}
+    assert scraped["r3cache_manifests_written_total"] == 3
+    assert scraped["r3cache_rows_captured_total"] == 3 * 17
+    assert scraped["r3cache_blocks_published_total"] == 3 * 4  # 17 rows: 4 whole blocks

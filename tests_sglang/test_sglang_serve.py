@@ -6,9 +6,11 @@ from __future__ import annotations
 import base64
 import re
 import time
+import urllib.request
 
 import numpy as np
 from conftest import SYSTEM, serve
+from prometheus_client.parser import text_string_to_metric_families
 
 from r3cache.integrations.engine import default_namespace
 from r3cache.store.redis.connect import list_namespaces
@@ -30,7 +32,9 @@ def test_the_readme_section_runs_as_written(model, cluster_url):
     assert len(lines) == 1, "the README's SGLang block has one launch_server command"
     command = re.sub(r"R3CACHE_URL='[^']*'", f"R3CACHE_URL='{cluster_url}'", lines[0])
     assert README_MODEL in command and cluster_url in command
-    server = serve(model, {}, command=command.replace(README_MODEL, str(model)))
+    metrics_port = free_port()
+    server = serve(model, {"R3CACHE_METRICS_PORT": str(metrics_port)},
+                   command=command.replace(README_MODEL, str(model)))
     try:
         server.wait_ready()
         # What the engine logs as its namespace: the served model's name and a digest
@@ -42,6 +46,13 @@ def test_the_readme_section_runs_as_written(model, cluster_url):
         code = _readme("python").replace(README_PORT, f"127.0.0.1:{server.port}")
         assert code != _readme("python"), f"the README's client calls {README_PORT}"
         exec(compile(code, "README.md (With SGLang)", "exec"), names)
+        # The scheduler serves the publisher's metrics on R3CACHE_METRICS_PORT.
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                    timeout=10) as response:
+            scraped = {s.name: s.value for f in text_string_to_metric_families(
+                response.read().decode()) for s in f.samples
+                if s.labels.get("namespace") == namespace}
+        assert scraped["r3cache_manifests_written_total"] == 1
     finally:
         server.stop()
     inline = np.frombuffer(base64.b64decode(names["out"]["meta_info"]["routed_experts"]),

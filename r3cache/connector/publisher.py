@@ -108,7 +108,6 @@ class RequestPublisher:
         except R3Error as exc:
             self.stats.errors[type(exc).__name__] += 1
             raise
-        self.stats.steps += 1
         self.stats.rows_captured += len(owned)
         self.stats.blocks_published += len(objects)
         self.stats.manifests += 1
