@@ -96,7 +96,8 @@ def main() -> None:
     with RedisServer() as server:
         stores = {"memory": "memory://", "redis": server.url}
         publishers = {name: RequestPublisher(layout=LAYOUT, store=open_store(
-            url, layout=LAYOUT, namespace=f"bench-publish-{name}", idle_ttl=600))
+            url, layout=LAYOUT, namespace=f"bench-publish-{name}",
+            **({"idle_ttl": 600} if name == "redis" else {"max_bytes": 4 << 30})))
             for name, url in stores.items()}
         times: dict[str, list[float]] = {"inline": [], **{n: [] for n in publishers}}
         for round_ in range(args.rounds):

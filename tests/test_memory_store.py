@@ -23,6 +23,12 @@ def test_open_store_memory_url_with_query_options():
         open_store("ftp://x", layout=LAYOUT, namespace="m")
     with pytest.raises(ContractError, match="namespace"):
         open_store("memory://", layout=LAYOUT, namespace="")
+    # A Redis option on the embedded store is named, not a TypeError from its constructor.
+    for options in ({"idle_ttl": 60}, {"codec": "raw"}):
+        with pytest.raises(ContractError, match=f"unknown memory store option.*{[*options][0]}"):
+            open_store("memory://", layout=LAYOUT, namespace="m", **options)
+    with pytest.raises(ContractError, match="unknown memory store option"):
+        open_store("memory://?lease_ttl=3", layout=LAYOUT, namespace="m")
 
 
 def test_get_concatenated_returns_rows_in_key_order():

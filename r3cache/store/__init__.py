@@ -15,6 +15,7 @@ from r3cache.store.writers.background import BackgroundBlockStore
 __all__ = ["BackgroundBlockStore", "BlockStore", "MemoryBlockStore", "StoreStats", "open_store"]
 
 _INT_OPTIONS = {"max_bytes"}
+_MEMORY_OPTIONS = {"max_bytes", "hash_algo"}
 
 
 def open_store(
@@ -37,6 +38,10 @@ def open_store(
         if layout is None:
             raise ContractError("memory:// needs a layout")
         merged: dict[str, Any] = {**dict(parse_qsl(parts.query)), **options}
+        unknown = sorted(merged.keys() - _MEMORY_OPTIONS)
+        if unknown:
+            raise ContractError(f"unknown memory store option(s) {', '.join(unknown)}; it "
+                                f"takes {', '.join(sorted(_MEMORY_OPTIONS))}")
         for name in _INT_OPTIONS & merged.keys():
             try:
                 merged[name] = int(float(merged[name]))
