@@ -45,14 +45,14 @@ def _keys(reader: R3Reader, ids: list[str]) -> list[list[str]]:
     return [m.block_keys for m in reader.store.get_manifests(ids)]
 
 
-def _check_inline(reader: R3Reader, responses: list[dict]) -> None:
+def _check_inline(reader: R3Reader, responses: list[dict], start_len: int = 0) -> None:
     """Each response's inline routes are, byte for byte, what the reader returns."""
     for response in responses:
         request_id = response["meta_info"]["id"]
         payload = base64.b64decode(response["meta_info"]["routed_experts"])
         rows = reader.get(request_id, dtype=np.int32, wait=WAIT)
         meta = response["meta_info"]
-        assert len(rows) == meta["prompt_tokens"] + meta["completion_tokens"] - 1
+        assert len(rows) == meta["prompt_tokens"] + meta["completion_tokens"] - 1 - start_len
         assert rows.tobytes() == payload, request_id
 
 
@@ -78,6 +78,12 @@ def test_grpo_inline_routes_are_what_the_trainer_reads(where, request):
         if where == "standalone":  # the cluster's namespace is shared with another test
             assert reader.store.stats().blocks == len(stored)
         assert not any("~" in k for k in stored)  # no rows conflicted under a key
+        # Routes from an unaligned position (routed_experts_start_len): the partial
+        # block before the first whole one rides inline in the manifest.
+        late = server.generate(prompts[:2], start_len=21)
+        _check_inline(reader, late, start_len=21)
+        late_keys = _keys(reader, [r["meta_info"]["id"] for r in late])
+        assert all(k[0] == keys[0][2] for k in late_keys)  # blocks from the third on
 
 
 def test_keys_only_replica_and_two_engines_store_nothing_twice(replicas):

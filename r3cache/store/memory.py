@@ -60,10 +60,9 @@ class MemoryBlockStore:
             pinned = [*retain_keys, *(k for m in manifests for k in m.block_keys)]
             self._reserve(len(new) * self.layout.block_nbytes, pinned)  # checked above
             first = self._retain(retain_keys)
-            for key, rows in objects.items():
-                if key in new:
-                    self._insert(key, rows)
-                elif np.array_equal(self._blocks[key], rows):
+            self._insert(new)
+            for key in objects.keys() - new.keys():
+                if np.array_equal(self._blocks[key], objects[key]):
                     self._duplicates += 1
                 else:
                     # Immutable: the first writer wins; the caller reads its own rows.
@@ -116,14 +115,21 @@ class MemoryBlockStore:
             self._idle[key] = None
             self._idle.move_to_end(key, last=False)
 
-    def _insert(self, key: str, rows: np.ndarray) -> None:
-        # Own the bytes: the caller may write into its array after put() returns.
-        block = rows.copy()
-        self._blocks[key] = block
-        self._used += block.nbytes
-        self._written += 1
-        if not self._refs.get(key):
-            self._make_idle(key)
+    def _insert(self, new: dict[str, np.ndarray]) -> None:
+        """Store copies of checked whole blocks (a prefill step brings hundreds): one loop,
+        the byte counts added once."""
+        blocks, refs, idle = self._blocks, self._refs, self._idle
+        idled = 0
+        for key, rows in new.items():
+            # Own the bytes: the caller may write into its array after put() returns.
+            blocks[key] = rows.copy()
+            if not refs.get(key):
+                idle[key] = None
+                idled += 1
+        nbytes = self.layout.block_nbytes  # check_blocks: every block is whole
+        self._used += len(new) * nbytes
+        self._idle_bytes += idled * nbytes
+        self._written += len(new)
 
     def _retain(self, keys: Iterable[str]) -> list[str]:
         """Pin ``keys``; returns those that had no pin before. One loop for a whole put
