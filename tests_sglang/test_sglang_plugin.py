@@ -114,3 +114,56 @@ def test_keys_only_replica_and_two_engines_store_nothing_twice(replicas):
         assert not any("~" in k for k in stored)
         system = set(keys[0][:3])
         assert reader.store.stats().blocks - before == len(stored - system)
+
+
+_REGISTER = """
+import json, sys
+from sglang.srt.plugins.hook_registry import HookRegistry
+from r3cache.errors import IntegrationError
+from r3cache.integrations import sglang as plugin
+if len(sys.argv) > 1:  # an SGLang without one of the hooked methods
+    plugin._TARGETS = (*plugin._TARGETS[:1], plugin._SCHEDULER + ".no_such_method")
+try:
+    plugin.register()
+    raised = None
+except IntegrationError as exc:
+    raised = str(exc)
+print(json.dumps({"hooks": {t: [h[0].name for h in hs] for t, hs in HookRegistry._hooks.items()},
+                  "raised": raised}))
+"""
+
+
+def _register(env: dict[str, str], *args: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SGLANG_ENV
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("R3CACHE_")}
+    done = subprocess.run([sys.executable, "-c", _REGISTER, *args], capture_output=True,
+                          text=True, timeout=300, env={**full, **SGLANG_ENV, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_entry_point_hooks_sglang_only_when_r3cache_url_is_set():
+    from importlib.metadata import entry_points
+
+    assert any(ep.value == "r3cache.integrations.sglang:register"
+               for ep in entry_points(group="sglang.srt.plugins"))
+    assert _register({}) == {"hooks": {}, "raised": None}
+    hooked = _register({"R3CACHE_URL": "redis://127.0.0.1:6379"})
+    assert hooked["raised"] is None
+    assert hooked["hooks"] == {
+        "sglang.srt.managers.scheduler.Scheduler.init_batch_result_processor": ["AFTER"],
+        "sglang.srt.managers.scheduler_components.batch_result_processor."
+        "SchedulerBatchResultProcessor._maybe_collect_routed_experts": ["AFTER"]}
+
+
+def test_an_sglang_without_the_hooked_api_cannot_start_a_scheduler():
+    refused = _register({"R3CACHE_URL": "redis://127.0.0.1:6379"}, "older")
+    assert "no_such_method" in refused["raised"] and "SGLang" in refused["raised"]
+    assert refused["hooks"] == {"sglang.srt.managers.scheduler.Scheduler.__init__":
+                                ["BEFORE"]}
