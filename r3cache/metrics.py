@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 # Where each engine counter comes from, and its help text.
@@ -158,7 +158,13 @@ class EngineTotals:
 
 
 class _Sources:
-    """Own the live connectors and readers of this process and the retired counts."""
+    """Own the live connectors and readers of this process and the retired counts.
+
+    A connector or reader that is collected is retired by a finalizer, which the garbage
+    collector may run in any thread at any allocation, also inside this class's own
+    locked sections: it only queues the key, and the queue is folded in under the lock
+    by the next call (a lock taken there would deadlock a scrape).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -166,36 +172,42 @@ class _Sources:
         self._readers: dict[int, tuple[tuple[str, str], ReaderStats]] = {}
         self._retired_engines: dict[tuple[str, str], EngineTotals] = defaultdict(EngineTotals)
         self._retired_readers: dict[tuple[str, str], ReaderStats] = defaultdict(ReaderStats)
+        self._retiring: deque[tuple[bool, int]] = deque()  # (an engine?, key); append-only
 
     def add_engine(self, worker: Any) -> None:
         labels = (worker.store.namespace, store_kind(worker.store))
         key = id(worker)
         with self._lock:
+            # A collected object's id may be reused: its retirement is folded in first.
+            self._fold()
             # The stats and the store, not the connector: they outlive it until retired.
             self._engines[key] = (labels, worker.stats, worker.store)
         # Counts fold into the retired ones when the connector is collected.
-        weakref.finalize(worker, self._retire_engine, key)
+        weakref.finalize(worker, self._retiring.append, (True, key))
 
     def add_reader(self, reader: Any) -> None:
         labels = (reader.namespace, store_kind(reader.store))
         key = id(reader)
         with self._lock:
+            self._fold()
             self._readers[key] = (labels, reader.stats)
-        weakref.finalize(reader, self._retire_reader, key)
+        weakref.finalize(reader, self._retiring.append, (False, key))
 
-    def _retire_engine(self, key: int) -> None:
-        with self._lock:
-            labels, stats, store = self._engines.pop(key)
-            self._retired_engines[labels].add(stats, store)
-
-    def _retire_reader(self, key: int) -> None:
-        with self._lock:
-            labels, stats = self._readers.pop(key)
-            self._retired_readers[labels].add(stats)
+    def _fold(self) -> None:
+        """Move retired objects' counts into the totals; the caller holds the lock."""
+        while self._retiring:
+            engine, key = self._retiring.popleft()
+            if engine:
+                labels, stats, store = self._engines.pop(key)
+                self._retired_engines[labels].add(stats, store)
+            else:
+                labels, stats = self._readers.pop(key)
+                self._retired_readers[labels].add(stats)
 
     def engines(self) -> dict[tuple[str, str], EngineTotals]:
         """Every connector's totals, by (namespace, store kind)."""
         with self._lock:  # a connector is either live or retired, never both or neither
+            self._fold()
             totals = {labels: t.copy() for labels, t in self._retired_engines.items()}
             for labels, stats, store in self._engines.values():
                 total = totals.setdefault(labels, EngineTotals())
@@ -208,6 +220,7 @@ class _Sources:
 
     def readers(self) -> dict[tuple[str, str], ReaderStats]:
         with self._lock:
+            self._fold()
             totals = {labels: s.copy() for labels, s in self._retired_readers.items()}
             live = [(labels, s.copy()) for labels, s in self._readers.values()]
         for labels, stats in live:

@@ -265,3 +265,34 @@ def test_every_new_registry_gets_the_collector():
         registry = metrics.register(CollectorRegistry())
         assert b"r3cache_engine_steps_total" in generate_latest(registry)
         del registry
+
+
+def test_a_connector_collected_during_a_scrape_is_retired_without_a_deadlock():
+    """The garbage collector runs a collected connector's finalizer wherever it happens to
+    run, here inside a scrape's locked section (it hung the default suite once)."""
+    import gc
+
+    from r3cache.connector import WorkerStats
+    from r3cache.store.memory import MemoryBlockStore
+
+    class Engine:  # what add_engine reads of a connector; a cycle only gc.collect frees
+        def __init__(self) -> None:
+            self.store = MemoryBlockStore(RoutingLayout(2, 2, 8, 4), "collected-in-a-scrape")
+            self.stats = WorkerStats(steps=7)
+            self.cycle = self
+
+    sources = metrics._Sources()
+    sources.add_engine(Engine())
+    scraped: list[dict] = []
+
+    def scrape() -> None:
+        with sources._lock:
+            gc.collect()  # the finalizer runs here, with the lock held
+        scraped.append(sources.engines())
+
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the scrape deadlocked on the retirement"
+    assert scraped[0][("collected-in-a-scrape", "memory")].counts["steps"] == 7
+    assert not sources._engines  # retired, not live
