@@ -5,7 +5,8 @@ main process, its scheduler processes and its detokenizer. It does nothing unles
 ``R3CACHE_URL`` is set; then the server must run with ``--enable-return-routed-experts``,
 and:
 
-- each scheduler that hands out its batches' results (attention-TP rank 0) opens the store
+- each scheduler that hands out its batches' results (attention-TP rank 0; not with
+  pipeline parallelism or prefill-decode disaggregation, which it refuses) opens the store
   ``R3CACHE_URL`` names, under ``R3CACHE_NAMESPACE`` (default: the served model name and
   its weights revision), when it starts: a store it cannot reach, or a namespace of
   another layout, stops the server from starting;
@@ -119,6 +120,12 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
         raise IntegrationError("r3cache's SGLang plugin publishes from one scheduler per "
                                "request; pipeline parallelism (--pp-size > 1) splits the "
                                "layers' routes across schedulers")
+    mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
+    if mode != "null":
+        raise IntegrationError(f"r3cache's SGLang plugin publishes a request from the one "
+                               f"scheduler that finishes it; this is a {mode} server of a "
+                               "prefill-decode disaggregation, where the prompt's routes and "
+                               "the response's are gathered by two servers")
     capturer = get_global_experts_capturer()
     if capturer is None:
         raise IntegrationError("R3CACHE_URL is set, but SGLang runs without "
