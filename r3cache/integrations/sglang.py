@@ -29,6 +29,7 @@ With ``R3CACHE_METRICS_PORT`` the scheduler serves the publisher's Prometheus me
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from r3cache.connector.publisher import RequestPublisher
-from r3cache.errors import IntegrationError, InvalidBatchError
+from r3cache.errors import IntegrationError, InvalidBatchError, R3Error
 from r3cache.integrations import engine
 from r3cache.layout import RoutingLayout
 from r3cache.store import open_store
@@ -144,6 +145,7 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
     except BaseException:
         store.close()
         raise
+    atexit.register(_close)  # a scheduler that exits normally writes what is pending
     _STATE.inline = engine.inline()
     port = engine.metrics_port()
     if port:
@@ -154,6 +156,17 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
         log.info("r3cache: metrics on port %s (/metrics)", port)
     log.info("r3cache: routed experts of %s go to %r (namespace %r, layout %s)",
              args.model_path, store, namespace, layout.fingerprint)
+
+
+def _close() -> None:
+    publisher, _STATE.publisher = _STATE.publisher, None
+    if publisher is None:
+        return
+    try:
+        publisher.close()
+    except R3Error as exc:
+        log.error("r3cache: routes still pending when the scheduler exited were not "
+                  "stored: %s", exc)
 
 
 def _num_experts(config: Any) -> int:
