@@ -3,6 +3,7 @@
 from r3cache.connector import (
     PendingOutput,
     RequestOutput,
+    RequestPublisher,
     SchedulerConnector,
     StepBatch,
     StepMetadata,
@@ -19,6 +20,7 @@ __all__ = [
     "PendingOutput",
     "R3Reader",
     "RequestOutput",
+    "RequestPublisher",
     "RoutingLayout",
     "SchedulerConnector",
     "StepBatch",

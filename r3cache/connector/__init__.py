@@ -7,6 +7,7 @@ from r3cache.connector.metadata import (
     StepMetadata,
     block_key,
 )
+from r3cache.connector.publisher import RequestPublisher
 from r3cache.connector.scheduler import SchedulerConnector
 from r3cache.connector.worker import PendingOutput, WorkerConnector, WorkerStats
 
@@ -14,6 +15,7 @@ __all__ = [
     "PackedHashes",
     "PendingOutput",
     "RequestOutput",
+    "RequestPublisher",
     "SchedulerConnector",
     "StepBatch",
     "StepMetadata",
