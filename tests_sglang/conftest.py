@@ -23,11 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from r3cache.testing import RedisClusterProcesses, free_port, machine_redis
+from r3cache.testing import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # tests/: the tiny model, the README's blocks
+from tests.engine_fixtures import redis_fixtures  # noqa: E402 - needs ROOT on the path
+
 SHIMS = HERE / "shims"
 SGLANG_ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",  # else rotary embedding imports vLLM
@@ -58,16 +60,7 @@ def model(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def redis_url():
-    with machine_redis(f"{SESSION}-") as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
-def cluster_url():
-    with RedisClusterProcesses() as processes:
-        yield processes.url
+redis_url, cluster_url = redis_fixtures(f"{SESSION}-")
 
 
 def new_namespace() -> str:

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from r3cache.testing import RedisClusterProcesses, machine_redis
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # tests/readme.py: the README blocks test_vllm_serve runs
+from tests.engine_fixtures import redis_fixtures  # noqa: E402 - needs ROOT on the path
+
 # vLLM on this CPU: the V2 model runner (routed-experts capture) under Triton's
 # interpreter, 1 GiB of KV cache, engine and worker in this one process (~15 s a start).
 VLLM_ENV = {
@@ -49,16 +49,7 @@ def model(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("tiny-qwen3-moe"))
 
 
-@pytest.fixture(scope="session")
-def redis_url():
-    with machine_redis(f"{SESSION}-") as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
-def cluster_url():
-    with RedisClusterProcesses() as processes:
-        yield processes.url
+redis_url, cluster_url = redis_fixtures(f"{SESSION}-")
 
 
 @pytest.fixture
