@@ -121,13 +121,14 @@ def test_a_stalled_redis_is_answered_within_store_wait(tmp_path, namespace, layo
         publisher = RequestPublisher(
             layout=layout, store=open_store(server.url, layout=layout, namespace=namespace),
             store_wait=0.5, max_pending=4)
-        tokens = list(range(1000, 1041))
+        # 250 blocks a request: the helper's socket and queue fill after a few dozen.
+        tokens, rows = list(range(1000, 2001)), _routes(layout, 1000, seed=0)
         server.kill(signal.SIGSTOP)
         try:
             began = time.monotonic()
             with pytest.raises((StoreUnavailableError, WriterError)):
                 for i in range(10_000):  # until the ring or the queue stays full
-                    publisher.publish(f"r{i}", tokens, _routes(layout, 40, seed=i))
+                    publisher.publish(f"r{i}", tokens, rows)
             assert time.monotonic() - began < 5.0
         finally:
             server.kill(signal.SIGCONT)
