@@ -132,3 +132,30 @@ def test_stored_blocks_do_not_alias_the_callers_array():
     s.put({"a": batch[0], "b": batch[1]})
     batch[:] = 7
     assert s.get_concatenated(["a", "b"]).max() == 2
+
+
+def test_a_finishing_request_hands_its_pins_to_its_manifest():
+    from r3cache.manifest import BlockRef, Completion, Manifest
+
+    s = store(blocks=8)
+    keys = ["a", "b", "c"]
+    s.put({k: blk(i) for i, k in enumerate(keys)}, retain_keys=keys)
+
+    def manifest(request_id: str, held: list[str]) -> Manifest:
+        return Manifest(request_id, LAYOUT.fingerprint, Completion(0, 4 * len(held) + 1),
+                        [BlockRef(k, 0, 4) for k in held])
+
+    # Exactly the keys it releases: the pins pass over, no key is ever unpinned.
+    first, last = s.put({}, (), keys[::-1], [manifest("r1", keys)])
+    assert (first, last) == ([], []) and [s._refs[k] for k in keys] == [1, 1, 1]
+    assert s.stats().pinned_blocks == 3 and not s._idle
+    # A request that releases more than its manifest holds: applied key by key.
+    s.put({"d": blk(5)}, retain_keys=["a", "d"])
+    first, last = s.put({}, (), ["d", "a"], [manifest("r2", ["a"])])
+    assert last == ["d"] and s._refs["a"] == 2 and list(s._idle) == ["d"]
+    # A manifest replacing one under the same id: applied key by key too.
+    s.put({}, ["b"])
+    first, last = s.put({}, (), ["b"], [manifest("r1", ["b"])])
+    assert s._refs == {"a": 1, "b": 1}
+    assert s.release_manifests(["r1", "r2"]) == 2
+    assert s.stats().pinned_blocks == 0 and list(s._idle) == ["d", "c", "b", "a"]
