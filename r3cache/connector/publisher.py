@@ -62,6 +62,7 @@ class RequestPublisher:
             store = BackgroundBlockStore(store, max_pending=max_pending, max_wait=store_wait,
                                          on_unavailable=on_unavailable)
         self.layout = layout
+        layout.prepare_checks()
         self.store = store
         self.seed = seed
         self.stats = WorkerStats()

@@ -186,6 +186,7 @@ class WorkerConnector:
                 f"{max_num_batched_tokens}"
             )
         self.layout = layout
+        layout.prepare_checks()
         self.max_num_batched_tokens = max_num_batched_tokens
         # Steps without explicit rows snapshot this capturer (r3cache.capture); their host
         # copies go through a ring of max_concurrent_batches pinned buffers.
