@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from itertools import repeat
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,9 +250,10 @@ class WorkerConnector:
         # Every request and key is checked before anything changes.
         reset = metadata.generation > self._generation
         registered = {} if reset else table.slot_of
-        for req_id in metadata.requests:
-            if req_id not in registered:
-                check_request_id(req_id)
+        if not metadata.requests.keys() <= registered.keys():  # most steps: all known
+            for req_id in metadata.requests:
+                if req_id not in registered:
+                    check_request_id(req_id)
         req_ids = list(metadata.requests)
         emit_starts = _int_list(metadata.requests.values(), "emit starts")
         # A step that lists no request (a hash-only update) has nothing to look up.
@@ -559,20 +561,25 @@ class WorkerConnector:
         self.stats.steps += 1
         self.stats.rows_captured += len(kept)
 
-        ends = end.tolist()
-        own, published = self._capture(slots, start, end, ends, row0, rows, req, offset,
+        own, published = self._capture(slots, start, end, row0, rows, req, offset,
                                        kept if one_each else None)
 
-        # Per request in Python, one pass: the few hundred requests of a step cost less so
-        # than a dozen numpy calls over them would.
         ids = pending.req_ids
         old = table.emit[slots].tolist()
+        starts, num_sampled = start.tolist(), sampled.tolist()
+        new = tuple.__new__  # RequestOutput(e, rows), without the Python-level __new__
+        if one_each and old == starts and min(num_sampled, default=0) > 0:
+            # Decode: each request is owed the one row it ran, from where it emits; the
+            # outputs are built in C calls (one view per request), no Python loop.
+            table.emit[slots] = end
+            return dict(zip(ids, map(new, repeat(RequestOutput), zip(old, kept[:, None]))))
+        # Per request in Python, one pass: the few hundred requests of a step cost less so
+        # than a dozen numpy calls over them would.
         emits = list(old)
-        starts, firsts, kept = start.tolist(), row0.tolist(), valid.tolist()
+        ends, firsts, kept = end.tolist(), row0.tolist(), valid.tolist()
         outputs: dict[str, RequestOutput] = {}
         later = []
-        new = tuple.__new__  # RequestOutput(e, rows), without the Python-level __new__
-        for i, (e, a, z, n) in enumerate(zip(old, starts, ends, sampled.tolist())):
+        for i, (e, a, z, n) in enumerate(zip(old, starts, ends, num_sampled)):
             if n <= 0 or e > z:
                 continue  # owed nothing this step
             emits[i] = z
@@ -603,15 +610,15 @@ class WorkerConnector:
                 f"{int(cursor[i])} and step start {int(starts[i])}"
             )
 
-    def _capture(self, slots, start, end, ends, row0, rows, req, offset, one_each=None
+    def _capture(self, slots, start, end, row0, rows, req, offset, one_each=None
                  ) -> tuple[dict[tuple[int, int], np.ndarray], dict[str, np.ndarray]]:
         """Write the step's valid rows into tails; publish or park the blocks they complete.
 
         Vectorised over all rows of the step: no Python loop per token. ``one_each``
         holds the kept rows when every request kept exactly one (decode): then each row
-        lands in its request's tail and completes at most that block. ``ends`` is
-        ``end`` as a list. Returns the blocks completed here, by (slot, block index) and
-        (those with keys) by key, for materialisation.
+        lands in its request's tail and completes at most that block. Returns the blocks
+        completed here, by (slot, block index) and (those with keys) by key, for
+        materialisation.
         """
         table = self._table
         bs = self.layout.block_size
@@ -619,10 +626,9 @@ class WorkerConnector:
         if one_each is not None:
             table.tail[slots, start % bs] = one_each
             # A row completes its block when it is the block's last (`end` on a boundary).
-            done_first = [i for i, z in enumerate(ends) if z % bs == 0]
-            if not done_first:
+            done_first = np.flatnonzero(end % bs == 0)
+            if not len(done_first):
                 return {}, {}
-            done_first = np.array(done_first)
         elif len(req):
             end_block = end // bs  # block holding `end`: the tail after this step
             pos = start[req] + offset
