@@ -57,8 +57,10 @@ class MemoryBlockStore:
         with self._lock:
             self._check_open()
             new = {k: v for k, v in objects.items() if k not in self._blocks}
-            pinned = [*retain_keys, *(k for m in manifests for k in m.block_keys)]
-            self._reserve(len(new) * self.layout.block_nbytes, pinned)  # checked above
+            nbytes = len(new) * self.layout.block_nbytes
+            if self._used + nbytes > self.max_bytes:  # checked above: raises, or evicts
+                self._reserve(nbytes, [*retain_keys,
+                                       *(k for m in manifests for k in m.block_keys)])
             first = self._retain(retain_keys)
             self._insert(new)
             for key in objects.keys() - new.keys():
@@ -92,8 +94,6 @@ class MemoryBlockStore:
 
     def _reserve(self, nbytes: int, retain_keys: Collection[str]) -> None:
         """Evict idle blocks until ``nbytes`` fit, or raise before changing anything."""
-        if self._used + nbytes <= self.max_bytes:
-            return
         retained = {k for k in retain_keys if k in self._idle}
         evictable = self._idle_bytes - sum(self._blocks[k].nbytes for k in retained)
         if self._used - evictable + nbytes > self.max_bytes:
