@@ -380,7 +380,9 @@ class WorkerConnector:
             return
         table = self._table
         manifests = [self._manifest(s) for s in slots if s in table.completion]
-        release = [*release, *(k for s in slots for k in reversed(table.keys[s]))]
+        release = list(release)
+        for s in slots:
+            release += reversed(table.keys[s])
         self._put(objects or {}, retain, release, manifests)
         table.free(slots)
 
