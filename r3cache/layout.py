@@ -142,18 +142,24 @@ class RoutingLayout:
 def repeats_an_expert(rows: np.ndarray) -> bool:
     """Whether any (token, layer) of ``(n, layers, topk)`` rows lists an expert twice.
 
-    Rows of eight bytes go to the compiled kernel of ``r3cache.wordcheck``, which holds
-    no GIL. Other rows are compared on the topk columns (about 15 times faster than
-    sorting each row): for a few rows (a decode step) one topk x topk compare of all
-    columns, else column ``i`` against every later column, topk - 1 calls. Few calls
-    matter as much as few bytes: the reader runs this on a helper thread, and each call
-    takes the GIL back from the thread that is reading the next blocks.
+    Rows of eight bytes go to the compiled kernel of ``r3cache.wordcheck`` (which holds
+    no GIL), the others to numpy's column compares.
     """
-    topk = rows.shape[-1]
-    if topk * rows.itemsize == 8:
+    if rows.shape[-1] * rows.itemsize == 8:
         from r3cache.wordcheck import repeats_in_words  # numba, loaded on first use
 
         return repeats_in_words(rows)
+    return repeats_by_columns(rows)
+
+
+def repeats_by_columns(rows: np.ndarray) -> bool:
+    """repeats_an_expert on the topk columns (about 15 times faster than sorting each
+    row): for a few rows (a decode step) one topk x topk compare of all columns, else
+    column ``i`` against every later column, topk - 1 calls. Few calls matter as much as
+    few bytes: the reader runs this on a helper thread, and each call takes the GIL back
+    from the thread that is reading the next blocks.
+    """
+    topk = rows.shape[-1]
     columns = np.ascontiguousarray(rows.reshape(-1, topk).T)
     if rows.size * topk <= _FEW_COMPARES:
         # Every column against every column: equal on the diagonal only, unless an
