@@ -8,7 +8,8 @@ instructions a row with no branch: 0.33 ms for 8192 tokens x 48 layers of topk 8
 numpy's column compares take 2-4 ms (``scripts/bench_idcheck.py``).
 
 numba is imported with this module, which ``r3cache.layout`` loads on the first check of
-such rows (about 0.4 s once per process; the compiled kernel is cached on disk).
+such rows: about 0.4 s, and 0.45 s to compile the kernel, once per process (0.25 s to
+load it from numba's cache on disk, where a later process finds it).
 """
 
 from __future__ import annotations
