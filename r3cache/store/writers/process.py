@@ -244,7 +244,10 @@ class ProcessWriter:
                     began = began or time.monotonic()
                     self._await_reply(deadline)
                     start = self._ring.place(len(keys))
-                np.stack(rows, out=self._ring.view(start, len(keys)))
+                # One C call (stack adds a Python step per block). Blocks are whole: the
+                # tier's local put and the publisher checked them.
+                np.concatenate(rows, out=self._ring.view(start, len(keys)).reshape(
+                    -1, *self.layout.row_shape))
             item = ("put", keys, start, retain, release, manifests)
             try:
                 self._outbox.put_nowait(item)
