@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import operator
 import threading
-from itertools import repeat
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
