@@ -17,7 +17,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-ROTATIONS = 4  # topk / 2 for topk 8; narrower words repeat a rotation, which changes nothing
+# The kernel takes four shifts: topk / 2 for topk 8; narrower words repeat one, which
+# changes nothing.
+_ROTATIONS = 4
 
 
 def _jit(function):
@@ -49,7 +51,7 @@ def _constants(lane_bits: int) -> tuple[np.uint64, ...]:
     lanes = 64 // lane_bits
     ones = sum(1 << (i * lane_bits) for i in range(lanes))
     shifts = [d * lane_bits for d in range(1, lanes // 2 + 1)]
-    shifts = (shifts * ROTATIONS)[:ROTATIONS]
+    shifts = (shifts * _ROTATIONS)[:_ROTATIONS]
     return tuple(np.uint64(v) for v in (ones, ones << (lane_bits - 1), *shifts))
 
 
