@@ -83,6 +83,44 @@ def test_outputs_do_not_alias_the_callers_buffer(request, backend, namespace, re
         worker.close()
 
 
+@pytest.mark.parametrize("writer,local_tier_bytes",
+                         [("process", 1 << 20), ("thread", 1 << 20), ("thread", 0)])
+def test_a_request_writing_into_its_rows_never_changes_what_is_stored(
+        writer, local_tier_bytes, reliability):
+    tokens = list(range(13))
+    rows = oracle_rows(tokens, LAYOUT)
+    hashes = [bytes([n]) * 32 for n in (1, 2, 3)]
+    with RedisServer("--enable-debug-command", "yes") as server:
+        store = open_store(server.url, layout=LAYOUT, namespace="own")
+        worker = WorkerConnector(layout=LAYOUT, store=store, writer=writer,
+                                 local_tier_bytes=local_tier_bytes, store_wait=10.0)
+        # Redis sleeps while the step is published: the writer still holds the blocks
+        # when the request gets its rows and writes into them.
+        stall = threading.Thread(target=lambda: server.client().execute_command(
+            "DEBUG", "SLEEP", "1"))
+        try:
+            stall.start()
+            time.sleep(0.1)
+            worker.begin_step(StepMetadata(0, {"r": 0}, {"r": hashes}, ()))
+            pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 13])),
+                                            routed_experts=rows)
+            pending.enqueue_cpu_copy([1], [0])
+            out = worker.process_output(pending)["r"]
+            out.rows[:] = out.rows[::-1].copy()  # the request's own rows, its to change
+            stall.join()
+            worker.store.flush()
+            reader = open_store(server.url, layout=LAYOUT, namespace="own")
+            stored = reader.get_concatenated([h.hex() for h in hashes])
+            reader.close()
+            np.testing.assert_array_equal(stored, rows[:12])
+        finally:
+            stall.join()
+            worker.close()
+    reliability(f"a request writes into its rows before the {writer} writer stored them "
+                f"(local tier {local_tier_bytes} bytes)", "3 blocks, Redis asleep 1 s",
+                "the blocks in Redis", "equal the captured rows, not the request's edit")
+
+
 # -- 2. another replica's rows are never served ---------------------------------------
 
 

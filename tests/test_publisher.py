@@ -50,6 +50,10 @@ def test_a_published_request_reads_back_as_given(publisher, store_url, layout, p
     tokens = list(range(100, 123))  # 23 tokens: 22 rows, 5 whole blocks of 4 and 2 more
     rows = _routes(layout, len(tokens) - 1 - prompt_start, seed=prompt_start)
     manifest = publisher.publish("req-a", tokens, rows, prompt_start)
+    for part in (*manifest.segments.head, *manifest.segments.tail):
+        # The record the caller holds is the one the writer stores: it cannot be edited.
+        with pytest.raises(ValueError, match="read-only"):
+            part[...] = 0
     publisher.flush()
     with _reader(publisher, store_url) as reader:
         got = reader.get("req-a", wait=5)

@@ -63,7 +63,7 @@ class BackgroundBlockStore:
     ) -> None:
         self._check()
         if objects or retain_keys or release_keys or manifests:
-            item = (objects, retain_keys, release_keys, manifests)
+            item = (self._owned(objects), retain_keys, release_keys, manifests)
             try:
                 self._queue.put_nowait(item)
                 return
@@ -84,6 +84,16 @@ class BackgroundBlockStore:
                 ) from None
             finally:
                 self.waits.observe(time.monotonic() - began)
+
+    def _owned(self, objects: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The blocks as rows of their own, checked: the queue holds them until the writer
+        stores them, and the caller may write into its arrays as soon as put returns (a
+        request into the rows it was handed, an engine into a reused buffer)."""
+        if not objects:
+            return {}
+        self.layout.check_blocks(objects)  # a bad block is refused here, not in the writer
+        copies = np.concatenate(list(objects.values()))  # one copy for the whole batch
+        return dict(zip(objects, copies.reshape(len(objects), *self.layout.block_shape)))
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         self.flush()
