@@ -105,6 +105,14 @@ def _keys_of(parts: list[Segment]) -> list[str]:
     return [s.key for s in parts if isinstance(s, BlockRef)]
 
 
+def _frozen(segment: Segment) -> Segment:
+    if isinstance(segment, BlockRef):
+        return segment
+    rows = np.array(segment)
+    rows.flags.writeable = False
+    return rows
+
+
 def _same_segment(a: Segment, b: Segment) -> bool:
     if isinstance(a, BlockRef) or isinstance(b, BlockRef):
         return a == b
@@ -126,6 +134,18 @@ class Manifest:
         if isinstance(self.segments, BlockSpan):
             return self.segments.block_keys
         return _keys_of(self.segments)
+
+    def own_copy(self) -> Manifest:
+        """This record with inline rows of its own, read-only: what a store keeps and what
+        it hands out (the caller's arrays and the copy share nothing)."""
+        segments = self.segments
+        if isinstance(segments, BlockSpan):
+            segments = BlockSpan([*map(_frozen, segments.head)], list(segments.keys),
+                                 [*map(_frozen, segments.tail)], segments.block_size)
+        else:
+            segments = [*map(_frozen, segments)]
+        return Manifest(self.request_id, self.fingerprint, self.completion, segments,
+                        self.expires_at)
 
     def to_fields(self, layout: RoutingLayout) -> dict[str, bytes | str]:
         """The Redis hash fields of this manifest (readable with ``HGETALL``)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 
 import numpy as np
@@ -51,9 +52,7 @@ def test_a_published_request_reads_back_as_given(publisher, store_url, layout, p
     rows = _routes(layout, len(tokens) - 1 - prompt_start, seed=prompt_start)
     manifest = publisher.publish("req-a", tokens, rows, prompt_start)
     for part in (*manifest.segments.head, *manifest.segments.tail):
-        # The record the caller holds is the one the writer stores: it cannot be edited.
-        with pytest.raises(ValueError, match="read-only"):
-            part[...] = 0
+        part[...] = part[::-1].copy()  # the caller's record is its own: the store's is not
     publisher.flush()
     with _reader(publisher, store_url) as reader:
         got = reader.get("req-a", wait=5)
@@ -118,6 +117,29 @@ def test_bad_input_is_refused_and_writes_nothing(case, publisher, store_url, lay
     with _reader(publisher, store_url) as reader:
         assert reader.store.stats().blocks == 0
         assert reader.store.get_manifests(["bad"]) == [None]
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_record_edited_before_the_writer_stored_it_is_stored_as_published(
+        tmp_path, namespace, layout, writer):
+    tokens, rows = list(range(300, 323)), _routes(layout, 19, seed=1)  # rows from token 3
+    with RedisServer("--enable-debug-command", "yes", directory=tmp_path) as server:
+        publisher = RequestPublisher(
+            layout=layout, store=open_store(server.url, layout=layout, namespace=namespace),
+            writer=writer)
+        # Redis sleeps: the writer holds the record until it answers.
+        stall = threading.Thread(target=lambda: server.client().execute_command(
+            "DEBUG", "SLEEP", "1"))
+        stall.start()
+        time.sleep(0.1)
+        manifest = publisher.publish("req", tokens, rows, prompt_start=3)
+        for part in (*manifest.segments.head, *manifest.segments.tail):
+            part[...] = part[::-1].copy()
+        stall.join()
+        publisher.flush()
+        with R3Reader(server.url, namespace=namespace) as reader:
+            np.testing.assert_array_equal(reader.get("req", wait=5), rows)
+        publisher.close()
 
 
 def test_a_stalled_redis_is_answered_within_store_wait(tmp_path, namespace, layout):

@@ -7,6 +7,7 @@ import pytest
 
 from r3cache import RoutingLayout, codec, open_store
 from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreClosedError
+from r3cache.manifest import BlockRef, Completion, Manifest
 from r3cache.store.memory import MemoryBlockStore
 
 LAYOUT = RoutingLayout(num_layers=3, topk=2, num_experts=16, block_size=4)
@@ -73,6 +74,23 @@ class TestStoreContract:
         assert info.value.keys == ("absent-1", "absent-2")
         assert store.namespace in str(info.value) and "absent-1" in str(info.value)
         assert "likely cause" in str(info.value)
+
+    def test_a_store_keeps_its_own_copy_and_hands_out_copies(self, store):
+        block, inline = blk(1), blk(2)[:3]
+        manifest = Manifest("req", LAYOUT.fingerprint, Completion(0, 8),
+                            [BlockRef("k", 0, 4), inline])
+        store.put({"k": block}, ["k"], manifests=[manifest])
+        block[...] = 0  # the caller's arrays are its own again once put returns
+        inline[...] = 0
+        (got,) = store.get_manifests(["req"])
+        np.testing.assert_array_equal(store.get_concatenated(["k"]), blk(1))
+        np.testing.assert_array_equal(got.segments[1], blk(2)[:3])
+        got.segments[1] = np.zeros_like(inline)  # the reader's record is its own
+        store.get_concatenated(["k"])[...] = 0
+        np.testing.assert_array_equal(store.get_manifests(["req"])[0].segments[1], blk(2)[:3])
+        np.testing.assert_array_equal(store.get_concatenated(["k"]), blk(1))
+        store.release_manifests(["req"])
+        store.put({}, release_keys=["k"])
 
     def test_first_writer_wins_and_conflicts_are_counted(self, store):
         store.put({"k": blk(1)})

@@ -8,6 +8,7 @@ import pytest
 
 from r3cache import RequestOutput, RoutingLayout, StepBatch, WorkerConnector
 from r3cache.connector import PackedHashes
+from r3cache.connector.metadata import block_key, block_keys
 from r3cache.errors import (
     BlockNotFoundError,
     CursorError,
@@ -154,6 +155,9 @@ def test_packed_hashes_key_blocks_as_the_hashes_one_by_one(harness):
     with pytest.raises(InvalidBatchError, match="whole number"):
         h.begin({"r": 0}, {"r": PackedHashes(packed.data[:-1], 32)})
     assert h.worker.num_requests == 0  # refused before anything changed
+    one = h.hashes("r", 0, 1)[0]
+    for data in (one, bytearray(one), memoryview(one)):  # one hash: a decode step's case
+        assert block_keys(PackedHashes(data, 32)) == [block_key(one)] == h.keys("r", 0, 1)
     h.begin({"r": 0}, {"r": packed})
     h.step([("r", 0, 9)], sampled=[1])
     h.worker.store.flush()

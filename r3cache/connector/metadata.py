@@ -50,7 +50,10 @@ def block_keys(hashes: Sequence[BlockHash] | PackedHashes) -> list[str]:
         if size < 1 or len(hashes.data) % size:
             raise InvalidBatchError(f"packed block hashes: {len(hashes.data)} bytes are not "
                                     f"a whole number of {size}-byte hashes")
-        text, width = bytes(hashes.data).hex(), 2 * size
+        data = hashes.data
+        text, width = (data if data.__class__ is bytes else bytes(data)).hex(), 2 * size
+        if len(text) == width:
+            return [text]  # a decode step's usual case: one new block
         return [text[i : i + width] for i in range(0, len(text), width)]
     return [block_key(h) for h in hashes]
 

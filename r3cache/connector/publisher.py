@@ -133,9 +133,6 @@ class RequestPublisher:
         if repeats_an_expert(owned):  # the range is checked above, not again here
             raise InvalidBatchError(f"request {request_id!r}: a row names the same "
                                     "expert twice")
-        # The manifest handed back and the one a writer still has to store share these
-        # rows (its partial blocks): read-only, so the caller's copy cannot change the record.
-        owned.flags.writeable = False
         return owned
 
     def flush(self) -> None:

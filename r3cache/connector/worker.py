@@ -420,13 +420,8 @@ class WorkerConnector:
     @staticmethod
     def _segment(part: tuple) -> BlockRef | np.ndarray:
         source, a, b = part
-        if isinstance(source, str):
-            return BlockRef(source, a, b)
-        # Rows are copied (the tail buffer is reused by the next request in the slot) and
-        # read-only: the embedded store keeps this manifest and hands it to its readers.
-        rows = source[a:b].copy()
-        rows.flags.writeable = False
-        return rows
+        # Rows are copied: the tail buffer is reused by the next request in the slot.
+        return BlockRef(source, a, b) if isinstance(source, str) else source[a:b].copy()
 
     # -- model runner output ------------------------------------------------------
 

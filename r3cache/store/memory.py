@@ -75,14 +75,15 @@ class MemoryBlockStore:
                 replaced = self._manifests.pop(manifest.request_id, None)
                 if replaced is not None:
                     self._release(reversed(replaced.block_keys))
-                self._manifests[manifest.request_id] = manifest
+                self._manifests[manifest.request_id] = manifest.own_copy()
             last = self._release(release_keys)
         return first, last
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         with self._lock:
             self._check_open()
-            return [self._manifests.get(r) for r in request_ids]
+            found = [self._manifests.get(r) for r in request_ids]
+        return [m and m.own_copy() for m in found]
 
     def release_manifests(self, request_ids: Sequence[str]) -> int:
         with self._lock:

@@ -63,7 +63,8 @@ class BackgroundBlockStore:
     ) -> None:
         self._check()
         if objects or retain_keys or release_keys or manifests:
-            item = (self._owned(objects), retain_keys, release_keys, manifests)
+            item = (self._owned(objects), retain_keys, release_keys,
+                    [m.own_copy() for m in manifests])
             try:
                 self._queue.put_nowait(item)
                 return

@@ -230,8 +230,9 @@ class ProcessWriter:
         for at in earlier:
             self._send_blocks(keys[at : at + step], rows[at : at + step], [], [], [],
                               deadline)
+        # The feeder pickles the manifests later: they go as copies the caller cannot edit.
         self._send_blocks(keys[last:], rows[last:], list(retain_keys), list(release_keys),
-                          list(manifests), deadline)
+                          [m.own_copy() for m in manifests], deadline)
 
     def _send_blocks(self, keys: list[str], rows: list[np.ndarray], retain: Collection[str],
                      release: Sequence[str], manifests: Sequence[Manifest],
