@@ -420,8 +420,9 @@ class WorkerConnector:
     @staticmethod
     def _segment(part: tuple) -> BlockRef | np.ndarray:
         source, a, b = part
-        # Rows are copied: the tail buffer is reused by the next request in the slot.
-        return BlockRef(source, a, b) if isinstance(source, str) else source[a:b].copy()
+        # A view of the tail buffer, which the next request in the slot reuses: the manifest
+        # goes straight to the store, and every store copies what put hands it.
+        return BlockRef(source, a, b) if isinstance(source, str) else source[a:b]
 
     # -- model runner output ------------------------------------------------------
 
