@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections import defaultdict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -564,8 +565,8 @@ class WorkerConnector:
         self.stats.steps += 1
         self.stats.rows_captured += len(kept)
 
-        own, published = self._capture(slots, start, end, row0, rows, req, offset,
-                                       kept if one_each else None)
+        made, published = self._capture(slots, start, end, row0, rows, req, offset,
+                                        kept if one_each else None)
 
         ids = pending.req_ids
         old = table.emit[slots].tolist()
@@ -593,7 +594,7 @@ class WorkerConnector:
                 later.append(i)  # owed rows from before this step's capture start
         table.emit[slots] = emits
         if later:
-            self._materialise(pending, later, old, ends, own, published, outputs)
+            self._materialise(pending, later, old, ends, dict(made), published, outputs)
         return outputs
 
     def _check_cursors(self, pending: PendingOutput, cursor, scheduled) -> None:
@@ -614,14 +615,14 @@ class WorkerConnector:
             )
 
     def _capture(self, slots, start, end, row0, rows, req, offset, one_each=None
-                 ) -> tuple[dict[tuple[int, int], np.ndarray], dict[str, np.ndarray]]:
+                 ) -> tuple[Iterable[tuple[tuple[int, int], np.ndarray]], dict[str, np.ndarray]]:
         """Write the step's valid rows into tails; publish or park the blocks they complete.
 
         Vectorised over all rows of the step: no Python loop per token. ``one_each``
         holds the kept rows when every request kept exactly one (decode): then each row
         lands in its request's tail and completes at most that block. Returns the blocks
-        completed here, by (slot, block index) and (those with keys) by key, for
-        materialisation.
+        completed here as ((slot, block index), rows) pairs and (those with keys) by key,
+        for materialisation.
         """
         table = self._table
         bs = self.layout.block_size
@@ -631,7 +632,7 @@ class WorkerConnector:
             # A row completes its block when it is the block's last (`end` on a boundary).
             done_first = np.flatnonzero(end % bs == 0)
             if not len(done_first):
-                return {}, {}
+                return (), {}
         elif len(req):
             end_block = end // bs  # block holding `end`: the tail after this step
             pos = start[req] + offset
@@ -641,7 +642,7 @@ class WorkerConnector:
             # A block is done when the step's rows reach past it (no rows: end == start).
             done_first = (end_block > first_block).nonzero()[0]
         else:
-            return {}, {}
+            return (), {}
         # A first block this incarnation did not capture from its start is a prefix
         # hit: the store already has it, and its tail rows before owned_from are void.
         owned = first_block[done_first] * bs >= table.owned_from[slots[done_first]]
@@ -671,24 +672,27 @@ class WorkerConnector:
         return self._publish(slots[block_req], block_idx, blocks, fresh)
 
     def _publish(self, block_slots, block_idx, blocks, fresh: int
-                 ) -> tuple[dict[tuple[int, int], np.ndarray], dict[str, np.ndarray]]:
+                 ) -> tuple[Iterable[tuple[tuple[int, int], np.ndarray]], dict[str, np.ndarray]]:
         """Put the keyed blocks, park the others until their hash arrives. Blocks from
         ``fresh`` on are views of the step's rows: a parked one is copied, so it does not
-        keep the whole step alive. Returns the blocks by (slot, block index) and the
-        keyed ones by key."""
+        keep the whole step alive. Returns the blocks as ((slot, block index), rows)
+        pairs, lazily (only prefix hits and chunked prefill read them), and the keyed
+        ones by key."""
         table = self._table
-        own: dict[tuple[int, int], np.ndarray] = {}
-        objects: dict[str, np.ndarray] = {}
+        slots, index = block_slots.tolist(), block_idx.tolist()
         keyed = block_idx < table.nkeys[block_slots]
-        for n, (s, j, k, block) in enumerate(zip(block_slots.tolist(), block_idx.tolist(),
-                                                  keyed.tolist(), blocks)):
-            own[(s, j)] = block
-            if k:
-                objects[table.keys[s][j]] = block
-            else:
-                table.unkeyed.setdefault(s, {})[j] = block if n < fresh else block.copy()
+        if keyed.all():  # the usual case: a block's hash comes with the step that fills it
+            keys = map(operator.getitem, map(table.keys.__getitem__, slots), index)
+            objects = dict(zip(keys, blocks))  # built in C: no Python step per block
+        else:
+            objects = {}
+            for n, (s, j, k, block) in enumerate(zip(slots, index, keyed.tolist(), blocks)):
+                if k:
+                    objects[table.keys[s][j]] = block
+                else:
+                    table.unkeyed.setdefault(s, {})[j] = block if n < fresh else block.copy()
         self._put(objects)
-        return own, objects
+        return zip(zip(slots, index), blocks), objects
 
     def _materialise(self, pending, later, emit, end, own, published, outputs) -> None:
         """Serve rows owed before this step's capture start (prefix hits, chunked prefill).
