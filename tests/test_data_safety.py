@@ -116,8 +116,9 @@ def test_a_request_writing_into_its_rows_never_changes_what_is_stored(
         finally:
             stall.join()
             worker.close()
+    tier = f"{local_tier_bytes >> 20} MiB local tier" if local_tier_bytes else "no local tier"
     reliability(f"a request writes into its rows before the {writer} writer stored them "
-                f"(local tier {local_tier_bytes} bytes)", "3 blocks, Redis asleep 1 s",
+                f"({tier})", "3 blocks, Redis asleep 1 s",
                 "the blocks in Redis", "equal the captured rows, not the request's edit")
 
 
