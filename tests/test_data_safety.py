@@ -97,7 +97,7 @@ def test_a_request_writing_into_its_rows_never_changes_what_is_stored(
         # Redis sleeps while the step is published: the writer still holds the blocks
         # when the request gets its rows and writes into them.
         stall = threading.Thread(target=lambda: server.client().execute_command(
-            "DEBUG", "SLEEP", "1"))
+            "DEBUG", "SLEEP", "0.5"))
         try:
             stall.start()
             time.sleep(0.1)
@@ -118,7 +118,7 @@ def test_a_request_writing_into_its_rows_never_changes_what_is_stored(
             worker.close()
     tier = f"{local_tier_bytes >> 20} MiB local tier" if local_tier_bytes else "no local tier"
     reliability(f"a request writes into its rows before the {writer} writer stored them "
-                f"({tier})", "3 blocks, Redis asleep 1 s",
+                f"({tier})", "3 blocks, Redis asleep 0.5 s",
                 "the blocks in Redis", "equal the captured rows, not the request's edit")
 
 

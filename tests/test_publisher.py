@@ -129,7 +129,7 @@ def test_a_record_edited_before_the_writer_stored_it_is_stored_as_published(
             writer=writer)
         # Redis sleeps: the writer holds the record until it answers.
         stall = threading.Thread(target=lambda: server.client().execute_command(
-            "DEBUG", "SLEEP", "1"))
+            "DEBUG", "SLEEP", "0.5"))
         stall.start()
         time.sleep(0.1)
         manifest = publisher.publish("req", tokens, rows, prompt_start=3)
