@@ -34,6 +34,10 @@ from r3cache.store.writers import choose_writer
 from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import spawn_writer
 
+# Above this many rows per request a step's tails are filled request by request (two
+# slices each) rather than through per-row index arrays.
+_ROWS_PER_REQUEST = 16
+
 
 @dataclass
 class WorkerStats:
@@ -532,9 +536,11 @@ class WorkerConnector:
                     f"{int(counts[i])} tokens"
                 )
         valid = counts - rejected if spec else counts
-        # Decode steps keep one row per request, in batch order: no per-row index arrays.
-        one_each = not spec and int(qsl[-1] - qsl[0]) == len(slots)
-        if one_each:
+        # Decode steps keep one row per request, in batch order, and a few long requests
+        # (prefill) are cheaper per request: no per-row index arrays for either.
+        num_rows = int(qsl[-1] - qsl[0])
+        one_each = not spec and num_rows == len(slots)
+        if one_each or (not spec and num_rows > _ROWS_PER_REQUEST * len(slots)):
             req = offset = None
             kept = rows[int(qsl[0]) : int(qsl[-1])]
         else:
@@ -618,9 +624,11 @@ class WorkerConnector:
                  ) -> tuple[Iterable[tuple[tuple[int, int], np.ndarray]], dict[str, np.ndarray]]:
         """Write the step's valid rows into tails; publish or park the blocks they complete.
 
-        Vectorised over all rows of the step: no Python loop per token. ``one_each``
-        holds the kept rows when every request kept exactly one (decode): then each row
-        lands in its request's tail and completes at most that block. Returns the blocks
+        Vectorised over all rows of the step (``req``, ``offset``: each row's request and
+        its place in the request's kept rows), or over requests where ``req`` is None: a few
+        long ones, whose rows are contiguous. ``one_each`` holds the kept rows when every
+        request kept exactly one (decode): then each row lands in its request's tail and
+        completes at most that block. Returns the blocks
         completed here as ((slot, block index), rows) pairs and (those with keys) by key,
         for materialisation.
         """
@@ -633,6 +641,10 @@ class WorkerConnector:
             done_first = np.flatnonzero(end % bs == 0)
             if not len(done_first):
                 return (), {}
+        elif req is None:
+            end_block = end // bs
+            self._to_tails(slots, start, np.minimum(end, (first_block + 1) * bs), row0, rows)
+            done_first = (end_block > first_block).nonzero()[0]
         elif len(req):
             end_block = end // bs  # block holding `end`: the tail after this step
             pos = start[req] + offset
@@ -649,9 +661,14 @@ class WorkerConnector:
         head = done_first[owned]
         block_req = [head]
         block_idx = [first_block[head]]
-        blocks = list(table.tail[slots[head]])  # copies: the tails are reused
-        fresh = len(blocks)
-        if one_each is None:
+        if one_each is not None:
+            # Views: no row of this step lands in a tail after its block completed, and
+            # the store copies what put hands it.
+            blocks = [*map(table.tail.__getitem__, slots[head].tolist())]
+            fresh = 0
+        else:
+            blocks = list(table.tail[slots[head]])  # copies: the last rows go into tails
+            fresh = len(blocks)
             middle = np.maximum(end_block - first_block - 1, 0)
             if middle.any():
                 # Whole blocks inside one request's kept rows (contiguous, rejected drafts
@@ -663,19 +680,32 @@ class WorkerConnector:
                     blocks.extend(rows[at : at + m * bs].reshape(m, *self.layout.block_shape))
                     block_req.append(np.full(m, i))
                     block_idx.append(np.arange(j, j + m))
-            in_last = ~in_first & ((pos // bs) == end_block[req])
-            table.tail[slots[req[in_last]], pos[in_last] % bs] = rows[src[in_last]]
+            if req is None:
+                # Rows in the block holding `end`, when it is not the first block.
+                lo = np.where(end_block > first_block, end_block * bs, end)
+                self._to_tails(slots, lo, end, row0 + lo - start, rows)
+            else:
+                in_last = ~in_first & ((pos // bs) == end_block[req])
+                table.tail[slots[req[in_last]], pos[in_last] % bs] = rows[src[in_last]]
         if len(block_req) > 1:
             block_req, block_idx = np.concatenate(block_req), np.concatenate(block_idx)
         else:
             (block_req,), (block_idx,) = block_req, block_idx
         return self._publish(slots[block_req], block_idx, blocks, fresh)
 
+    def _to_tails(self, slots, lo, hi, src, rows) -> None:
+        """Copy each request's rows for positions ``[lo, hi)``, all in one block and
+        starting at row ``src`` of the step, into its tail."""
+        bs, tail = self.layout.block_size, self._table.tail
+        for s, a, z, r in zip(slots.tolist(), lo.tolist(), hi.tolist(), src.tolist()):
+            if a < z:
+                tail[s, a % bs : a % bs + z - a] = rows[r : r + z - a]
+
     def _publish(self, block_slots, block_idx, blocks, fresh: int
                  ) -> tuple[Iterable[tuple[tuple[int, int], np.ndarray]], dict[str, np.ndarray]]:
         """Put the keyed blocks, park the others until their hash arrives. Blocks from
-        ``fresh`` on are views of the step's rows: a parked one is copied, so it does not
-        keep the whole step alive. Returns the blocks as ((slot, block index), rows)
+        ``fresh`` on are views (of the step's rows or of tails): a parked one is copied, so
+        it neither keeps the whole step alive nor changes with its tail. Returns the blocks as ((slot, block index), rows)
         pairs, lazily (only prefix hits and chunked prefill read them), and the keyed
         ones by key."""
         table = self._table
