@@ -628,9 +628,8 @@ class WorkerConnector:
         its place in the request's kept rows), or over requests where ``req`` is None: a few
         long ones, whose rows are contiguous. ``one_each`` holds the kept rows when every
         request kept exactly one (decode): then each row lands in its request's tail and
-        completes at most that block. Returns the blocks
-        completed here as ((slot, block index), rows) pairs and (those with keys) by key,
-        for materialisation.
+        completes at most that block. Returns the blocks completed here as ((slot, block
+        index), rows) pairs and (those with keys) by key, for materialisation.
         """
         table = self._table
         bs = self.layout.block_size
@@ -705,9 +704,9 @@ class WorkerConnector:
                  ) -> tuple[Iterable[tuple[tuple[int, int], np.ndarray]], dict[str, np.ndarray]]:
         """Put the keyed blocks, park the others until their hash arrives. Blocks from
         ``fresh`` on are views (of the step's rows or of tails): a parked one is copied, so
-        it neither keeps the whole step alive nor changes with its tail. Returns the blocks as ((slot, block index), rows)
-        pairs, lazily (only prefix hits and chunked prefill read them), and the keyed
-        ones by key."""
+        it neither keeps the whole step alive nor changes with its tail. Returns the blocks
+        as ((slot, block index), rows) pairs, lazily (only prefix hits and chunked prefill
+        read them), and the keyed ones by key."""
         table = self._table
         slots, index = block_slots.tolist(), block_idx.tolist()
         keyed = block_idx < table.nkeys[block_slots]
