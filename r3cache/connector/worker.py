@@ -640,20 +640,20 @@ class WorkerConnector:
             done_first = np.flatnonzero(end % bs == 0)
             if not len(done_first):
                 return (), {}
-        elif req is None:
-            end_block = end // bs
-            self._to_tails(slots, start, np.minimum(end, (first_block + 1) * bs), row0, rows)
-            done_first = (end_block > first_block).nonzero()[0]
-        elif len(req):
+        elif req is not None and not len(req):
+            return (), {}
+        else:
             end_block = end // bs  # block holding `end`: the tail after this step
-            pos = start[req] + offset
-            src = row0[req] + offset
-            in_first = (pos // bs) == first_block[req]
-            table.tail[slots[req[in_first]], pos[in_first] % bs] = rows[src[in_first]]
+            if req is None:
+                self._to_tails(slots, start, np.minimum(end, (first_block + 1) * bs), row0,
+                               rows)
+            else:
+                pos = start[req] + offset
+                src = row0[req] + offset
+                in_first = (pos // bs) == first_block[req]
+                table.tail[slots[req[in_first]], pos[in_first] % bs] = rows[src[in_first]]
             # A block is done when the step's rows reach past it (no rows: end == start).
             done_first = (end_block > first_block).nonzero()[0]
-        else:
-            return (), {}
         # A first block this incarnation did not capture from its start is a prefix
         # hit: the store already has it, and its tail rows before owned_from are void.
         owned = first_block[done_first] * bs >= table.owned_from[slots[done_first]]
