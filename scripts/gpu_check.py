@@ -332,8 +332,9 @@ def main() -> int:
         print("[SKIP] router hooks inside a CUDA graph: CUDA graphs need a CUDA device")
         # A narrower stack than on CUDA: the CPU checks test routing and copies, and a
         # 1024-wide forward of 1024 tokens costs about 0.3 s a step on two cores.
-        stack, capturer = stack_setup(device, args.tokens, hidden=128)
-        static_x, graph = torch.randn(args.tokens, 128), None
+        hidden = 128
+        stack, capturer = stack_setup(device, args.tokens, hidden=hidden)
+        static_x, graph = torch.randn(args.tokens, hidden), None
     check_connector(device, stack, capturer, static_x, graph, args.steps, args.requests)
     check_overlap(device, stack, capturer, static_x, graph, args.steps)
     if args.vllm:
