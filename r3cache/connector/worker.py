@@ -212,7 +212,8 @@ class WorkerConnector:
                                      max_wait=store_wait, on_unavailable=on_unavailable)
         elif background and not isinstance(store, MemoryBlockStore):
             # The embedded store is written in place: its puts are dict updates and copies
-            # under the GIL, which a writer thread would only hand back and forth.
+            # under the GIL, which a writer thread only hands back and forth (measured:
+            # chunked prefill a third slower behind one, docs/BENCHMARKS.md).
             store = BackgroundBlockStore(store, max_pending=2 * max_num_seqs,
                                          max_wait=store_wait, on_unavailable=on_unavailable)
         self.store = store
