@@ -117,6 +117,17 @@ def test_a_batch_that_cannot_fit_raises_without_a_partial_write():
     s.get_concatenated(["a", "b"])
 
 
+def test_a_put_that_evicts_keeps_the_stored_blocks_it_names_again():
+    s = store(blocks=2)
+    s.put({"a": blk(1)})
+    s.put({"b": blk(2)})
+    # "a" is the oldest idle block, and this put needs room: "b" goes instead.
+    s.put({"a": blk(1), "c": blk(3)})
+    assert sorted(s._blocks) == ["a", "c"]
+    stats = s.stats()
+    assert (stats.duplicate_puts, stats.evictions, stats.blocks_written) == (1, 1, 3)
+
+
 def test_blocks_of_the_wrong_shape_or_dtype_are_rejected():
     s = store()
     with pytest.raises(LayoutMismatchError):

@@ -59,7 +59,8 @@ class MemoryBlockStore:
             new = {k: v for k, v in objects.items() if k not in self._blocks}
             nbytes = len(new) * self.layout.block_nbytes
             if self._used + nbytes > self.max_bytes:  # checked above: raises, or evicts
-                self._reserve(nbytes, [*retain_keys,
+                # Blocks the put names stay: it pins them, or compares them as duplicates.
+                self._reserve(nbytes, [*retain_keys, *objects.keys() - new.keys(),
                                        *(k for m in manifests for k in m.block_keys)])
             first = self._retain(retain_keys)
             self._insert(new)
