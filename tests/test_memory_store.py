@@ -170,3 +170,58 @@ def test_a_finishing_request_hands_its_pins_to_its_manifest():
     assert s._refs == {"a": 1, "b": 1}
     assert s.release_manifests(["r1", "r2"]) == 2
     assert s.stats().pinned_blocks == 0 and list(s._idle) == ["d", "c", "b", "a"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_puts_under_memory_pressure_keep_every_invariant(seed):
+    """Random puts, manifest releases and reads on a store of one to five blocks: no put
+    leaves part of itself behind, bytes and the idle list match the blocks held, what a
+    manifest names stays pinned, and reads return the rows first stored under each key."""
+    from collections import Counter
+
+    from r3cache.errors import R3Error
+    from r3cache.manifest import BlockRef, Completion, Manifest
+
+    rng = np.random.default_rng(seed)
+    s = store(blocks=int(rng.integers(1, 6)))
+    keys = [f"k{i}" for i in range(8)]
+    stored: dict[str, np.ndarray] = {}  # the rows the store took for each key
+    held: Counter[str] = Counter()  # the worker's own pins: it releases only those
+
+    def pick(n):
+        return [keys[i] for i in rng.integers(0, len(keys), n)]
+
+    for _ in range(40):
+        op = rng.random()
+        if op < 0.7:
+            # One block in ten is a conflicting rewrite: other rows under a stored key.
+            objects = {k: blk(int(k[1:]) + (rng.random() < 0.1))
+                       for k in pick(int(rng.integers(0, 4)))}
+            manifests = [Manifest(f"r{int(rng.integers(0, 5))}", LAYOUT.fingerprint,
+                                  Completion(0, 5), [BlockRef(k, 0, 4) for k in pick(2)])
+                         for _ in range(int(rng.integers(0, 2)))]
+            retain = pick(int(rng.integers(0, 4)))
+            pool = list(held.elements())
+            release = [pool[i] for i in rng.permutation(len(pool))[: int(rng.integers(0, 4))]]
+            before = (dict(s._refs), list(s._idle), set(s._blocks), set(s._manifests), s._used)
+            try:
+                s.put(objects, retain, release, manifests)
+            except R3Error:
+                assert (dict(s._refs), list(s._idle), set(s._blocks), set(s._manifests),
+                        s._used) == before
+            else:
+                held.update(retain)
+                held.subtract(release)
+                stored.update((k, v) for k, v in objects.items() if k not in before[2])
+        elif op < 0.85:
+            s.release_manifests([f"r{i}" for i in rng.integers(0, 5, 2)])
+        else:
+            wanted = [k for k in pick(3) if k in s._blocks]
+            rows = s.get_concatenated(wanted)
+            for n, k in enumerate(wanted):
+                np.testing.assert_array_equal(rows[4 * n : 4 * n + 4], stored[k])
+        assert s._used == sum(b.nbytes for b in s._blocks.values()) <= s.max_bytes
+        assert set(s._idle) == {k for k in s._blocks if k not in s._refs}
+        assert s._idle_bytes == sum(s._blocks[k].nbytes for k in s._idle)
+        assert min(s._refs.values(), default=1) > 0
+        assert all(k in s._refs for m in s._manifests.values() for k in m.block_keys)
