@@ -108,13 +108,16 @@ class RoutingLayout:
         """
         if not len(rows):
             return None
-        # Storage dtypes other than int32 are unsigned: no ID can be negative. ufunc
-        # reductions directly: a decode step checks a few rows, where each call's own
-        # overhead is the cost.
-        if (int(np.maximum.reduce(rows, axis=None)) >= self.num_experts
-                or (rows.dtype.kind == "i" and int(np.minimum.reduce(rows, axis=None)) < 0)):
+        if rows.shape[-1] * rows.itemsize == 8:
+            from r3cache.wordcheck import problems_in_words  # numba, loaded on first use
+
+            outside, repeats = problems_in_words(rows, self.num_experts)  # one pass
+        else:
+            outside = ids_outside(rows, self.num_experts)
+            repeats = not outside and repeats_by_columns(rows)
+        if outside:
             return f"expert IDs outside 0..{self.num_experts - 1}"
-        if repeats_an_expert(rows):
+        if repeats:
             return "a row names the same expert twice"
         return None
 
@@ -137,6 +140,15 @@ class RoutingLayout:
         if len(rows) != self.block_size:
             raise LayoutMismatchError(
                 f"{what} has {len(rows)} rows, a block has {self.block_size}")
+
+
+def ids_outside(rows: np.ndarray, num_experts: int) -> bool:
+    """Whether any ID of ``rows`` is outside ``0 .. num_experts - 1``, in numpy."""
+    # Storage dtypes other than int32 are unsigned: no ID can be negative. ufunc
+    # reductions directly: a decode step checks a few rows, where each call's own
+    # overhead is the cost.
+    return (int(np.maximum.reduce(rows, axis=None)) >= num_experts
+            or (rows.dtype.kind == "i" and int(np.minimum.reduce(rows, axis=None)) < 0))
 
 
 def repeats_an_expert(rows: np.ndarray) -> bool:

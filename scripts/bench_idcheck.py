@@ -1,11 +1,12 @@
-"""The expert-ID check of one engine step: the compiled word kernel against numpy's columns.
+"""The expert-ID check of one engine step: the compiled word kernel against numpy.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_idcheck.py [--tokens 8192] [--rounds 5]
 
 Every step's rows are checked before anything is stored (``RoutingLayout.id_problem``):
-IDs in range, and no expert twice in one (token, layer). For rows of eight bytes the
-repeat check runs ``r3cache.wordcheck``'s numba kernel; numpy's column compares
-(``repeats_by_columns``) check the other layouts. Both run here on the same rows, per
+IDs in range, and no expert twice in one (token, layer). For rows of eight bytes both
+run in one pass of ``r3cache.wordcheck``'s numba kernel; the other layouts take numpy's
+reductions (``ids_outside``) and column compares (``repeats_by_columns``). Both run here
+on the same rows, per
 layout with eight-byte rows, in paired rounds whose order alternates; a ratio is the
 median of the per-round ratios of median times. Decode (256 tokens) and a chunked
 prefill step (8192 tokens) are the sizes bench_vs_vllm.py's scenarios check.
@@ -14,21 +15,30 @@ prefill step (8192 tokens) are the sizes bench_vs_vllm.py's scenarios check.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import time
 
 import numpy as np
 
 from r3cache import RoutingLayout
-from r3cache.layout import repeats_by_columns
+from r3cache.layout import ids_outside, repeats_by_columns
 from r3cache.sim import oracle_rows
-from r3cache.wordcheck import repeats_in_words
+from r3cache.wordcheck import problems_in_words
 
 LAYOUTS = [  # topk x dtype = eight bytes
     ("topk 8 of 128 (uint8)", RoutingLayout(num_layers=48, topk=8, num_experts=128)),
     ("topk 4 of 512 (uint16)", RoutingLayout(num_layers=48, topk=4, num_experts=512)),
     ("topk 2 of 100000 (int32)", RoutingLayout(num_layers=48, topk=2, num_experts=100000)),
 ]
+
+
+def kernel_check(rows: np.ndarray, num_experts: int) -> bool:
+    return any(problems_in_words(rows, num_experts))
+
+
+def numpy_check(rows: np.ndarray, num_experts: int) -> bool:
+    return ids_outside(rows, num_experts) or repeats_by_columns(rows)
 
 
 def median_us(check, rows: np.ndarray, repeats: int) -> float:
@@ -52,8 +62,9 @@ def main() -> None:
         for tokens in args.tokens or [256, 8192]:
             rows = oracle_rows(list(range(tokens)), layout)
             timed = {"kernel": [], "numpy": []}
+            pair = [("kernel", functools.partial(kernel_check, num_experts=layout.num_experts)),
+                    ("numpy", functools.partial(numpy_check, num_experts=layout.num_experts))]
             for round_ in range(args.rounds):
-                pair = [("kernel", repeats_in_words), ("numpy", repeats_by_columns)]
                 for name, check in pair[:: 1 if round_ % 2 == 0 else -1]:
                     timed[name].append(median_us(check, rows, args.repeats))
             ratio = np.median(np.array(timed["kernel"]) / np.array(timed["numpy"]))

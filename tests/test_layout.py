@@ -92,3 +92,29 @@ def test_ids_compare_as_values_in_every_lane_whatever_their_bits():
             twice = distinct.copy()
             twice[:2] = value
             assert repeats_an_expert(twice.reshape(1, 1, topk)), (dtype, value)
+
+
+@pytest.mark.parametrize("topk,num_experts", [
+    (8, 8), (8, 127), (8, 128), (8, 129), (8, 200), (8, 255), (8, 256),
+    (4, 257), (4, 32767), (4, 32768), (4, 32769), (4, 65535), (4, 65536),
+    (2, 65537), (2, 1 << 20)])
+def test_every_id_outside_the_range_is_found_in_any_lane(topk, num_experts):
+    """The compiled check of eight-byte rows against numpy's comparison, for IDs on either
+    side of num_experts, of half the lane, of the lane's top and (int32) below zero."""
+    layout = RoutingLayout(num_layers=1, topk=topk, num_experts=num_experts)
+    info = np.iinfo(layout.dtype)
+    half = (int(info.max) + 1) // 2
+    values = {0, 1, num_experts - 2, num_experts - 1, num_experts, num_experts + 1,
+              half - 1, half, half + 1, int(info.max) - 1, int(info.max), -1, int(info.min)}
+    values = sorted(v for v in values if info.min <= v <= info.max)
+    distinct = np.arange(topk, dtype=layout.dtype) + (1000 % max(num_experts - topk, 1))
+    for value in values:
+        for lane in range(topk):
+            rows = np.tile(distinct, (3, 1, 1))
+            rows[1, 0, lane] = value
+            outside = value < 0 or value >= num_experts
+            named_twice = not outside and value in np.delete(distinct, lane)
+            expected = ("expert IDs outside" if outside
+                        else "a row names the same expert twice" if named_twice else None)
+            problem = layout.id_problem(rows)
+            assert problem == expected or problem.startswith(expected), (value, lane)
