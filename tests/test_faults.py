@@ -293,3 +293,41 @@ def test_a_stalled_redis_marks_requests_incomplete_and_the_run_goes_on(stall, tm
                 f"{dropped} batches dropped; {complete} requests exact, {incomplete} "
                 f"incomplete (typed), 0 wrong; slowest step {max(report.step_seconds):.2f} s")
     server.stop()
+
+
+def test_a_cluster_with_no_node_answering_is_a_typed_error_and_the_lease_outlives_it(
+        reliability):
+    """Every node down: redis-py then raises RedisClusterException (not a RedisError). A put
+    gets StoreUnavailableError, the heartbeat thread keeps beating, and once the nodes are
+    back (without their data) it registers again and re-applies the owner's holds."""
+    from r3cache.errors import StoreUnavailableError
+    from r3cache.testing import RedisClusterProcesses
+
+    with RedisClusterProcesses() as cluster:
+        store = open_store(cluster.url, layout=LAYOUT, namespace="all-down", lease_ttl=0.6,
+                           retries=2, socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            store.put({"k": np.zeros(LAYOUT.block_shape, LAYOUT.dtype)}, ["k"])
+            for node in cluster.nodes:
+                node.kill(signal.SIGKILL)
+            time.sleep(1.0)  # five heartbeats, each finding no node
+            assert store._lease._thread.is_alive()
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="unavailable"):
+                store.put({}, ["other"])
+            refused_after = time.monotonic() - began
+            for node in cluster.nodes:
+                node.start()
+            cluster.wait_ok()
+            deadline = time.monotonic() + 10
+            while store._lease.renewals == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert store._lease.renewals >= 1 and store.refcount("k") == 1
+            reliability("6-node cluster: every node SIGKILLed, then restarted empty",
+                        "one owner holding a block",
+                        "put raises StoreUnavailableError; the heartbeat survives and "
+                        "re-applies the holds", f"refused after {refused_after:.2f} s; "
+                        f"lease renewed {store._lease.renewals}x, hold restored")
+        finally:
+            with contextlib.suppress(R3Error):
+                store.close()

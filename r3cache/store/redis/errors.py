@@ -25,7 +25,9 @@ def redis_errors(namespace: str, what: str) -> Iterator[None]:
     except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
         raise StoreAccessError(f"{what} in namespace {namespace!r} was refused: {exc}") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-            redis.exceptions.ClusterDownError, redis.exceptions.ClusterError) as exc:
+            redis.exceptions.ClusterDownError, redis.exceptions.ClusterError,
+            # Not a RedisError: redis-py raises it when no cluster node answers.
+            redis.exceptions.RedisClusterException) as exc:
         raise StoreUnavailableError(
             f"{what} in namespace {namespace!r}: Redis unavailable ({type(exc).__name__}: {exc})"
         ) from None

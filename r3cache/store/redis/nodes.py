@@ -313,5 +313,6 @@ def _built(groups, build, record: list) -> Iterator[list]:
 def _relearn(nodes: SingleNode | ClusterNodes, attempt: int) -> None:
     time.sleep(min(0.05 * 2**attempt, 1.0))
     # A failed refresh is not final: the next attempt reports the failure if it persists.
-    with contextlib.suppress(redis.exceptions.RedisError):
+    # (No cluster node answering is a RedisClusterException, which is not a RedisError.)
+    with contextlib.suppress(redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
         nodes.refresh()

@@ -183,6 +183,8 @@ class RedisBlockStore:
         if (retain_keys or release_keys or manifests) and self._lease is None:
             raise ContractError("a store opened with lease=False cannot hold blocks")
         self.layout.check_blocks(objects)  # before anything is sent
+        for manifest in manifests:
+            manifest.check(self.layout)
         with redis_errors(self.namespace, "writing blocks"), self._hold_lock:
             if not manifests:
                 self._write(objects, retain_keys, release_keys)
@@ -649,7 +651,8 @@ class _Lease:
         while not self._stop.wait(self._ttl_ms / 3000):
             try:
                 self.beat()
-            except (redis.exceptions.RedisError, StoreError):
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
+                    StoreError):
                 continue  # retried at the next beat; the lease covers short outages
 
     def stop(self) -> None:
