@@ -101,6 +101,21 @@ class BlockSpan(Sequence):
         return [*_keys_of(self.head), *self.keys, *_keys_of(self.tail)]
 
 
+def _checked_rows(parts: Sequence[Segment], layout: RoutingLayout, where: str) -> int:
+    """How many rows ``parts`` name, each a slice of one block or rows of this layout."""
+    rows = 0
+    for part in parts:
+        if isinstance(part, BlockRef):
+            key, start, stop = part
+            if not isinstance(key, str) or not 0 <= start < stop <= layout.block_size:
+                raise ContractError(f"{where}: {part!r:.120} is not a slice of one block")
+            rows += stop - start
+            continue
+        layout.check_rows(part, f"{where}: inline rows")
+        rows += len(part)
+    return rows
+
+
 def _keys_of(parts: list[Segment]) -> list[str]:
     return [s.key for s in parts if isinstance(s, BlockRef)]
 
@@ -134,6 +149,38 @@ class Manifest:
         if isinstance(self.segments, BlockSpan):
             return self.segments.block_keys
         return _keys_of(self.segments)
+
+    def check(self, layout: RoutingLayout) -> None:
+        """Refuse, before a store changes anything, a manifest no reader could use: a bad
+        request id, another layout, a completion that is not two counts, or segments that
+        are not block slices and rows of this layout covering exactly the completion's."""
+        check_request_id(self.request_id)
+        where = f"manifest of request {self.request_id!r}"
+        if self.fingerprint != layout.fingerprint:
+            raise LayoutMismatchError(f"{where} is for layout {self.fingerprint!r:.80}, the "
+                                      f"store's is {layout.fingerprint}")
+        completion = self.completion
+        counts = isinstance(completion, tuple) and len(completion) == 2 and all(
+            isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
+            for n in completion)
+        if not counts:
+            raise ContractError(f"{where}: completion {completion!r:.80} is not two counts "
+                                "(prompt start, number of tokens)")
+        segments = self.segments
+        if isinstance(segments, BlockSpan):
+            if segments.block_size != layout.block_size:
+                raise LayoutMismatchError(f"{where}: blocks of {segments.block_size} rows, "
+                                          f"the layout's have {layout.block_size}")
+            if set(map(type, segments.keys)) - {str}:
+                raise ContractError(f"{where}: block keys must be str")
+            rows = (_checked_rows([*segments.head, *segments.tail], layout, where)
+                    + len(segments.keys) * layout.block_size)
+        else:
+            rows = _checked_rows(segments, layout, where)
+        expected = Completion(*completion).num_rows
+        if rows != expected:
+            raise ContractError(f"{where}: segments hold {rows} rows, the request has "
+                                f"{expected}")
 
     def own_copy(self) -> Manifest:
         """This record with inline rows of its own, read-only: what a store keeps and what

@@ -672,3 +672,27 @@ def test_a_request_id_that_cannot_be_encoded_takes_no_hold(redis_url, namespace)
         assert holders(store) == {}
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_manifest_no_reader_could_use_is_refused_before_either_tier_changes(
+        redis_url, namespace, writer, reliability):
+    """A manifest naming more rows than its completion: refused on the caller's thread
+    (not later in the writer), with no pin taken in the local tier and nothing sent."""
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    worker = WorkerConnector(layout=LAYOUT, store=store, writer=writer)
+    tier = worker.store
+    bad = Manifest("r", LAYOUT.fingerprint, Completion(0, 3), [BlockRef("k", 0, 4)])
+    try:
+        with pytest.raises(ContractError, match="segments hold 4 rows, the request has 2"):
+            tier.put({"k": blk(1)}, ["k"], [], [bad])
+        tier.flush()
+        assert tier.local.refcount("k") == 0
+        check = open_store(redis_url, layout=LAYOUT, namespace=namespace, lease=False)
+        assert check.get_manifests(["r"]) == [None] and check.stats().blocks == 0
+        check.close()
+        reliability(f"a manifest whose segments do not cover its completion ({writer} writer)",
+                    "one put", "ContractError on the caller's thread",
+                    "0 local pins, 0 blocks and 0 manifests in Redis")
+    finally:
+        worker.close()

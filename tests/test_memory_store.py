@@ -198,7 +198,7 @@ def test_random_puts_under_memory_pressure_keep_every_invariant(seed):
             objects = {k: blk(int(k[1:]) + (rng.random() < 0.1))
                        for k in pick(int(rng.integers(0, 4)))}
             manifests = [Manifest(f"r{int(rng.integers(0, 5))}", LAYOUT.fingerprint,
-                                  Completion(0, 5), [BlockRef(k, 0, 4) for k in pick(2)])
+                                  Completion(0, 9), [BlockRef(k, 0, 4) for k in pick(2)])
                          for _ in range(int(rng.integers(0, 2)))]
             retain = pick(int(rng.integers(0, 4)))
             pool = list(held.elements())

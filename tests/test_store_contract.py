@@ -122,6 +122,26 @@ class TestStoreContract:
             store.put({"ok": blk(1), "bad": np.zeros((4, 3, 2), np.int32)})
         assert Raw(store).rows("ok") is None
 
+    @pytest.mark.parametrize("bad", [
+        Manifest("req", RoutingLayout(3, 2, 16, 8).fingerprint, Completion(0, 5),
+                 [BlockRef("k", 0, 4)]),  # another layout
+        Manifest("req", LAYOUT.fingerprint, Completion(0, 9), [BlockRef("k", 0, 4)]),
+        Manifest("req", LAYOUT.fingerprint, Completion(0, 6), [BlockRef("k", 2, 6)]),
+        Manifest("req", LAYOUT.fingerprint, Completion(0, 5), [BlockRef(7, 0, 4)]),
+        Manifest("req", LAYOUT.fingerprint, Completion(0, 3), [np.zeros((2, 3, 2), np.int32)]),
+        Manifest("req", LAYOUT.fingerprint, (0, "5"), [BlockRef("k", 0, 4)]),
+        Manifest("", LAYOUT.fingerprint, Completion(0, 5), [BlockRef("k", 0, 4)]),
+    ], ids=["layout", "extent", "slice", "key", "dtype", "completion", "id"])
+    def test_a_manifest_no_reader_could_use_is_refused_and_nothing_changes(self, store, bad):
+        from r3cache.errors import ContractError
+
+        raw = Raw(store)
+        store.put({"held": blk(2)}, retain_keys=["held"])
+        with pytest.raises(ContractError):
+            store.put({"k": blk(1)}, ["k"], ["held"], [bad])
+        assert raw.rows("k") is None and raw.holds("k") == 0 and raw.holds("held") == 1
+        assert store.get_manifests(["req"]) == [None] and store.stats().manifests == 0
+
     def test_stats_count_blocks_pins_and_bytes(self, store):
         store.put({"a": blk(1), "b": blk(2)}, retain_keys=["a"])
         stats = store.stats()

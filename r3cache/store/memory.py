@@ -54,6 +54,8 @@ class MemoryBlockStore:
         pin and the keys whose last pin it dropped, in call order (a tier in front of a
         durable store forwards only those)."""
         self.layout.check_blocks(objects)
+        for manifest in manifests:
+            manifest.check(self.layout)
         with self._lock:
             self._check_open()
             new = {k: v for k, v in objects.items() if k not in self._blocks}

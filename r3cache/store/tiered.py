@@ -46,6 +46,8 @@ class TieredBlockStore:
         release_keys: Sequence[str] = (),
         manifests: Sequence[Manifest] = (),
     ) -> None:
+        for manifest in manifests:  # before the local tier applies the pins
+            manifest.check(self.layout)
         try:
             first, last = self.local.put(objects, retain_keys, release_keys)
         except StoreFullError:

@@ -63,6 +63,8 @@ class BackgroundBlockStore:
     ) -> None:
         self._check()
         if objects or retain_keys or release_keys or manifests:
+            for manifest in manifests:  # a bad manifest is refused here, not in the writer
+                manifest.check(self.layout)
             item = (self._owned(objects), retain_keys, release_keys,
                     [m.own_copy() for m in manifests])
             try:

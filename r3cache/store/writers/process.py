@@ -221,6 +221,8 @@ class ProcessWriter:
         self._check()
         if not (objects or retain_keys or release_keys or manifests):
             return
+        for manifest in manifests:  # a bad manifest is refused here, not in the helper
+            manifest.check(self.layout)
         deadline = time.monotonic() + self.max_wait
         keys, rows = list(objects), list(objects.values())
         # A put larger than the ring goes as several; pins and manifests ride on the
