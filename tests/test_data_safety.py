@@ -696,3 +696,35 @@ def test_a_manifest_no_reader_could_use_is_refused_before_either_tier_changes(
                     "0 local pins, 0 blocks and 0 manifests in Redis")
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])
+def test_keys_and_arguments_redis_cannot_take_are_refused_before_anything_is_sent(
+        request, backend, namespace, reliability):
+    """Keys that cannot name a block (not str, empty, too long, a space, brace, "~" or a
+    character outside printable ASCII), a str where keys go, objects that are not a
+    mapping, ids that are not str: a ContractError, no hold taken, and the store closes
+    cleanly afterwards."""
+    store = open_store(request.getfixturevalue(backend), layout=LAYOUT, namespace=namespace)
+    block = blk(1)
+    puts = [({1: block}, (), ()), ({b"k": block}, (), ()), ({"": block}, (), ()),
+            ({"a b": block}, (), ()), ({"a{b}": block}, (), ()), ({"a~b": block}, (), ()),
+            ({"k" * 257: block}, (), ()), ({"k\ud800": block}, (), ()), ({"é": block}, (), ()),
+            ({"ok": block}, ["ok", 7], ()), ({"ok": block}, (), [None]),
+            ({"ok": block}, "ok", ()), ([("ok", block)], (), ())]
+    try:
+        for objects, retain, release in puts:
+            with pytest.raises(ContractError):
+                store.put(objects, retain, release)
+        for read in (lambda: store.get_concatenated([3]), lambda: store.get_manifests([3]),
+                     lambda: store.release_manifests([None])):
+            with pytest.raises(ContractError):
+                read()
+        assert store.stats().blocks == 0 and store.stats().referenced_keys == 0
+        store.put({"ok": block}, ["ok"])  # the store works on
+        assert store.refcount("ok") == 1
+        reliability(f"keys Redis cannot take and arguments of the wrong kind ({backend[:-4]})",
+                    f"{len(puts)} puts, 3 reads", "ContractError before anything is sent",
+                    f"{len(puts) + 3}/{len(puts) + 3} refused; 0 blocks, 0 holds; close clean")
+    finally:
+        store.close()

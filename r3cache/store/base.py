@@ -2,14 +2,64 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from r3cache.errors import ContractError
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
+
+# A block key: 1-256 characters of printable ASCII without spaces (manifests list keys
+# separated by spaces), braces (Redis Cluster hash tags) or "~" (a writer's variant).
+MAX_KEY_LENGTH = 256
+_KEY_BYTES = bytes(range(0x21, 0x7B)) + b"|"
+
+
+def check_keys(keys: Sequence[object]) -> None:
+    """Refuse keys that cannot name a block, naming the first. In C calls over the whole
+    batch (a prefill step names hundreds of keys); only a failing batch is walked."""
+    if not keys:
+        return
+    if set(map(type, keys)) == {str}:
+        joined = "".join(keys)
+        lengths = set(map(len, keys))
+        if (joined.isascii() and not joined.encode().translate(None, _KEY_BYTES)
+                and 0 not in lengths and max(lengths) <= MAX_KEY_LENGTH):
+            return
+    bad = next(k for k in keys if not (isinstance(k, str) and 0 < len(k) <= MAX_KEY_LENGTH
+                                       and k.isascii()
+                                       and not k.encode().translate(None, _KEY_BYTES)))
+    raise ContractError(f"{bad!r:.80} cannot name a block: a key is 1-{MAX_KEY_LENGTH} "
+                        "printable ASCII characters without spaces, braces or '~'")
+
+
+def check_key_types(keys: Sequence[object]) -> None:
+    """Refuse keys to read that are not str (a writer's variants may hold "~")."""
+    if keys and set(map(type, keys)) != {str}:
+        bad = next(k for k in keys if not isinstance(k, str))
+        raise ContractError(f"block keys are str, not {type(bad).__name__} ({bad!r:.80})")
+
+
+def check_put(layout: RoutingLayout, objects: Mapping[str, np.ndarray],
+              retain_keys: Collection[str], release_keys: Sequence[str],
+              manifests: Sequence[Manifest]) -> None:
+    """Refuse a put's arguments before it changes anything: a str where keys go (it would
+    pin its characters), objects that are not a mapping, blocks not of the layout, and
+    manifests that are not Manifests or that no reader could use (Manifest.check)."""
+    if not isinstance(objects, Mapping):
+        raise ContractError(f"objects must map keys to blocks, not {type(objects).__name__}")
+    for name, keys in (("retain_keys", retain_keys), ("release_keys", release_keys),
+                       ("manifests", manifests)):
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+            raise ContractError(f"{name} must be a collection, not {type(keys).__name__}")
+    layout.check_blocks(objects)
+    for manifest in manifests:
+        if not isinstance(manifest, Manifest):
+            raise ContractError(f"manifests must be Manifests, not {type(manifest).__name__}")
+        manifest.check(layout)
 
 
 @dataclass(frozen=True)
@@ -36,7 +86,9 @@ class BlockStore(Protocol):
     ``put`` applies, in this order: ``retain_keys`` (pin, even before a key is
     written), ``objects`` (first writer wins), ``manifests`` (each holds the blocks
     it names, as its own owner, until released), then ``release_keys`` (unpin; a
-    key whose last pin goes becomes evictable, in the order given).
+    key whose last pin goes becomes evictable, in the order given). Its arguments are
+    checked before any of it (``check_put``; a Redis store also checks every key with
+    ``check_keys``): a ContractError changes nothing.
     """
 
     layout: RoutingLayout

@@ -11,8 +11,8 @@ import numpy as np
 from r3cache.errors import BlockNotFoundError, StoreClosedError, StoreFullError
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
-from r3cache.manifest import Manifest
-from r3cache.store.base import StoreStats
+from r3cache.manifest import Manifest, check_request_id
+from r3cache.store.base import StoreStats, check_key_types, check_put
 
 DEFAULT_MAX_BYTES = 1 << 30
 
@@ -53,9 +53,7 @@ class MemoryBlockStore:
         """Store blocks, then pin, then unpin; returns the keys this call pinned from no
         pin and the keys whose last pin it dropped, in call order (a tier in front of a
         durable store forwards only those)."""
-        self.layout.check_blocks(objects)
-        for manifest in manifests:
-            manifest.check(self.layout)
+        check_put(self.layout, objects, retain_keys, release_keys, manifests)
         with self._lock:
             self._check_open()
             new = {k: v for k, v in objects.items() if k not in self._blocks}
@@ -83,12 +81,14 @@ class MemoryBlockStore:
         return first, last
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
+        request_ids = [check_request_id(r) for r in request_ids]
         with self._lock:
             self._check_open()
             found = [self._manifests.get(r) for r in request_ids]
         return [m and m.own_copy() for m in found]
 
     def release_manifests(self, request_ids: Sequence[str]) -> int:
+        request_ids = [check_request_id(r) for r in request_ids]
         with self._lock:
             self._check_open()
             found = [self._manifests.pop(r) for r in request_ids if r in self._manifests]
@@ -174,6 +174,7 @@ class MemoryBlockStore:
             self._check_open()
             missing = [k for k in keys if k not in self._blocks]
             if missing:
+                check_key_types(missing)
                 raise BlockNotFoundError(missing, namespace=self.namespace)
             blocks = [self._blocks[k] for k in keys]
         if not blocks:
@@ -203,6 +204,7 @@ class MemoryBlockStore:
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
         missing = self.read_present(keys, targets)
         if missing:
+            check_key_types([keys[i] for i in missing])
             raise BlockNotFoundError([keys[i] for i in missing], namespace=self.namespace)
 
     def refcount(self, key: str) -> int:

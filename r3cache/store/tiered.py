@@ -9,7 +9,7 @@ import numpy as np
 
 from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreFullError
 from r3cache.manifest import Manifest
-from r3cache.store.base import BlockStore, StoreStats
+from r3cache.store.base import BlockStore, StoreStats, check_put
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import ProcessWriter
@@ -46,8 +46,8 @@ class TieredBlockStore:
         release_keys: Sequence[str] = (),
         manifests: Sequence[Manifest] = (),
     ) -> None:
-        for manifest in manifests:  # before the local tier applies the pins
-            manifest.check(self.layout)
+        check_put(self.layout, objects, retain_keys, release_keys, manifests)  # before
+        # the local tier applies the pins
         try:
             first, last = self.local.put(objects, retain_keys, release_keys)
         except StoreFullError:

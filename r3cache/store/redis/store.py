@@ -29,8 +29,8 @@ from r3cache.errors import (
 )
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
-from r3cache.manifest import BlockRef, Manifest
-from r3cache.store.base import StoreStats
+from r3cache.manifest import BlockRef, Manifest, check_request_id
+from r3cache.store.base import StoreStats, check_key_types, check_keys, check_put
 from r3cache.store.redis.errors import redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, KeySchema, check_name, manifest_owner
 from r3cache.store.redis.nodes import CHUNK, ClusterNodes, SingleNode, execute
@@ -182,9 +182,11 @@ class RedisBlockStore:
         self._check_open()
         if (retain_keys or release_keys or manifests) and self._lease is None:
             raise ContractError("a store opened with lease=False cannot hold blocks")
-        self.layout.check_blocks(objects)  # before anything is sent
-        for manifest in manifests:
-            manifest.check(self.layout)
+        check_put(self.layout, objects, retain_keys, release_keys, manifests)
+        # Keys become Redis key names and manifest fields: each one checked before
+        # anything is sent (a bad one would fail halfway through a round).
+        check_keys([*objects, *retain_keys, *release_keys,
+                    *(k for m in manifests for k in m.block_keys)])
         with redis_errors(self.namespace, "writing blocks"), self._hold_lock:
             if not manifests:
                 self._write(objects, retain_keys, release_keys)
@@ -321,7 +323,7 @@ class RedisBlockStore:
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         self._check_open()
-        keys = [self.keys.manifest(r) for r in request_ids]
+        keys = [self.keys.manifest(check_request_id(r)) for r in request_ids]
         found: list[Manifest | None] = [None] * len(keys)
         with redis_errors(self.namespace, "reading manifests"):
             for indices, replies in self._execute(
@@ -340,7 +342,7 @@ class RedisBlockStore:
         from r3cache.store.redis.janitor import release_manifests
 
         self._check_open()
-        names = [self.keys.manifest(r) for r in request_ids]
+        names = [self.keys.manifest(check_request_id(r)) for r in request_ids]
         with redis_errors(self.namespace, "releasing manifests"):
             present = [r for r, n in zip(request_ids, self.per_key(names, lambda k: ("EXISTS", k)))
                        if n]
@@ -419,6 +421,7 @@ class RedisBlockStore:
         self._check_open()
         if not keys:
             return
+        check_key_types(keys)
         first: dict[str, int] = {}  # key -> its first position in ``keys``
         for n, key in enumerate(keys):
             first.setdefault(key, n)

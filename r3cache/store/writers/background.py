@@ -12,7 +12,7 @@ import numpy as np
 from r3cache.errors import ContractError, StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
-from r3cache.store.base import BlockStore, StoreStats
+from r3cache.store.base import BlockStore, StoreStats, check_put
 from r3cache.store.writers.bounded import BoundedCalls
 
 DEFAULT_MAX_PENDING = 512
@@ -63,8 +63,8 @@ class BackgroundBlockStore:
     ) -> None:
         self._check()
         if objects or retain_keys or release_keys or manifests:
-            for manifest in manifests:  # a bad manifest is refused here, not in the writer
-                manifest.check(self.layout)
+            # Bad arguments are refused here, not in the writer.
+            check_put(self.layout, objects, retain_keys, release_keys, manifests)
             item = (self._owned(objects), retain_keys, release_keys,
                     [m.own_copy() for m in manifests])
             try:

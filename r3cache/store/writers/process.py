@@ -20,7 +20,7 @@ from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
-from r3cache.store.base import StoreStats
+from r3cache.store.base import StoreStats, check_put
 from r3cache.store.writers.bounded import BoundedCalls
 from r3cache.store.writers.ring import DEFAULT_RING_BYTES, BlockRing
 
@@ -221,8 +221,8 @@ class ProcessWriter:
         self._check()
         if not (objects or retain_keys or release_keys or manifests):
             return
-        for manifest in manifests:  # a bad manifest is refused here, not in the helper
-            manifest.check(self.layout)
+        # Bad arguments are refused here, not in the helper.
+        check_put(self.layout, objects, retain_keys, release_keys, manifests)
         deadline = time.monotonic() + self.max_wait
         keys, rows = list(objects), list(objects.values())
         # A put larger than the ring goes as several; pins and manifests ride on the
