@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -11,12 +10,10 @@ import numpy as np
 
 from r3cache.errors import InvalidBatchError
 from r3cache.manifest import Completion
+from r3cache.store.base import is_key
 
 BlockHash = bytes | str | int
 
-# A str hash is used as given: printable ASCII without spaces (manifests list keys
-# separated by spaces), braces (Redis Cluster hash tags) or "~" (a writer's variant).
-_STR_HASH = re.compile(r"[!-z|]{1,256}")
 
 
 def block_key(block_hash: BlockHash) -> str:
@@ -27,7 +24,7 @@ def block_key(block_hash: BlockHash) -> str:
         return block_hash.hex()
     if isinstance(block_hash, int) and not isinstance(block_hash, bool):
         return format(block_hash & ((1 << 128) - 1), "032x")
-    if isinstance(block_hash, str) and _STR_HASH.fullmatch(block_hash):
+    if is_key(block_hash):  # a str hash is used as given
         return block_hash
     raise InvalidBatchError(
         f"block hash {block_hash!r} ({type(block_hash).__name__}) is not bytes, an int or "

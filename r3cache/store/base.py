@@ -18,6 +18,12 @@ MAX_KEY_LENGTH = 256
 _KEY_BYTES = bytes(range(0x21, 0x7B)) + b"|"
 
 
+def is_key(key: object) -> bool:
+    """Whether ``key`` can name a block."""
+    return (isinstance(key, str) and 0 < len(key) <= MAX_KEY_LENGTH and key.isascii()
+            and not key.encode().translate(None, _KEY_BYTES))
+
+
 def check_keys(keys: Sequence[object]) -> None:
     """Refuse keys that cannot name a block, naming the first. In C calls over the whole
     batch (a prefill step names hundreds of keys); only a failing batch is walked."""
@@ -29,9 +35,7 @@ def check_keys(keys: Sequence[object]) -> None:
         if (joined.isascii() and not joined.encode().translate(None, _KEY_BYTES)
                 and 0 not in lengths and max(lengths) <= MAX_KEY_LENGTH):
             return
-    bad = next(k for k in keys if not (isinstance(k, str) and 0 < len(k) <= MAX_KEY_LENGTH
-                                       and k.isascii()
-                                       and not k.encode().translate(None, _KEY_BYTES)))
+    bad = next(k for k in keys if not is_key(k))
     raise ContractError(f"{bad!r:.80} cannot name a block: a key is 1-{MAX_KEY_LENGTH} "
                         "printable ASCII characters without spaces, braces or '~'")
 
