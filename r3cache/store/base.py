@@ -49,17 +49,19 @@ def check_key_types(keys: Sequence[object]) -> None:
 
 def check_put(layout: RoutingLayout, objects: Mapping[str, np.ndarray],
               retain_keys: Collection[str], release_keys: Sequence[str],
-              manifests: Sequence[Manifest]) -> None:
+              manifests: Sequence[Manifest], *, blocks: bool = True) -> None:
     """Refuse a put's arguments before it changes anything: a str where keys go (it would
-    pin its characters), objects that are not a mapping, blocks not of the layout, and
-    manifests that are not Manifests or that no reader could use (Manifest.check)."""
+    pin its characters), objects that are not a mapping, blocks not of the layout (unless
+    ``blocks`` is False: a layer whose next one checks them first), and manifests that
+    are not Manifests or that no reader could use (Manifest.check)."""
     if not isinstance(objects, Mapping):
         raise ContractError(f"objects must map keys to blocks, not {type(objects).__name__}")
     for name, keys in (("retain_keys", retain_keys), ("release_keys", release_keys),
                        ("manifests", manifests)):
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
             raise ContractError(f"{name} must be a collection, not {type(keys).__name__}")
-    layout.check_blocks(objects)
+    if blocks:
+        layout.check_blocks(objects)
     for manifest in manifests:
         if not isinstance(manifest, Manifest):
             raise ContractError(f"manifests must be Manifests, not {type(manifest).__name__}")

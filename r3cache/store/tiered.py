@@ -46,8 +46,8 @@ class TieredBlockStore:
         release_keys: Sequence[str] = (),
         manifests: Sequence[Manifest] = (),
     ) -> None:
-        check_put(self.layout, objects, retain_keys, release_keys, manifests)  # before
-        # the local tier applies the pins
+        # Before the local tier applies the pins; its put checks the blocks first.
+        check_put(self.layout, objects, retain_keys, release_keys, manifests, blocks=False)
         try:
             first, last = self.local.put(objects, retain_keys, release_keys)
         except StoreFullError:

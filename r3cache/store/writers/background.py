@@ -63,8 +63,9 @@ class BackgroundBlockStore:
     ) -> None:
         self._check()
         if objects or retain_keys or release_keys or manifests:
-            # Bad arguments are refused here, not in the writer.
-            check_put(self.layout, objects, retain_keys, release_keys, manifests)
+            # Bad arguments are refused here, not in the writer (blocks by _owned).
+            check_put(self.layout, objects, retain_keys, release_keys, manifests,
+                      blocks=False)
             item = (self._owned(objects), retain_keys, release_keys,
                     [m.own_copy() for m in manifests])
             try:

@@ -221,8 +221,9 @@ class ProcessWriter:
         self._check()
         if not (objects or retain_keys or release_keys or manifests):
             return
-        # Bad arguments are refused here, not in the helper.
-        check_put(self.layout, objects, retain_keys, release_keys, manifests)
+        # Bad arguments are refused here, not in the helper; the blocks were checked by
+        # the tier's local put or the publisher.
+        check_put(self.layout, objects, retain_keys, release_keys, manifests, blocks=False)
         deadline = time.monotonic() + self.max_wait
         keys, rows = list(objects), list(objects.values())
         # A put larger than the ring goes as several; pins and manifests ride on the
