@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import queue
 import socket
 import subprocess
@@ -201,11 +202,16 @@ class ProcessWriter:
         self._reads = BoundedCalls(f"r3cache-read-{namespace}")
 
     def _feed(self) -> None:
-        """Send queued messages to the helper, in order (pickling happens here)."""
+        """Send queued messages to the helper, in order. Puts come pickled: this thread
+        then holds the GIL only to hand their bytes to the pipe, not to pickle them while
+        the engine thread waits for it."""
         while True:
             message = self._outbox.get()
             try:
-                self._connection.send(message)
+                if message.__class__ is bytes:
+                    self._connection.send_bytes(message)
+                else:
+                    self._connection.send(message)
             except OSError:
                 return  # the helper is gone; _check reports it
             if message[0] == "close":
@@ -252,7 +258,8 @@ class ProcessWriter:
                 # tier's local put and the publisher checked them.
                 np.concatenate(rows, out=self._ring.view(start, len(keys)).reshape(
                     -1, *self.layout.row_shape))
-            item = ("put", keys, start, retain, release, manifests)
+            item = pickle.dumps(("put", keys, start, retain, release, manifests),
+                                protocol=pickle.HIGHEST_PROTOCOL)
             try:
                 self._outbox.put_nowait(item)
             except queue.Full:  # the feeder is behind: wait for it until the deadline
