@@ -15,7 +15,6 @@ from r3cache.store.base import is_key
 BlockHash = bytes | str | int
 
 
-
 def block_key(block_hash: BlockHash) -> str:
     """The store key of a KV block hash: lowercase hex of its digest."""
     if isinstance(block_hash, (bytes, bytearray)):

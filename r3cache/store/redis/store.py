@@ -183,6 +183,7 @@ class RedisBlockStore:
         if (retain_keys or release_keys or manifests) and self._lease is None:
             raise ContractError("a store opened with lease=False cannot hold blocks")
         check_put(self.layout, objects, retain_keys, release_keys, manifests)
+        retain_keys, release_keys = list(retain_keys), list(release_keys)  # read twice
         # Keys become Redis key names and manifest fields: each one checked before
         # anything is sent (a bad one would fail halfway through a round).
         check_keys([*objects, *retain_keys, *release_keys,
