@@ -21,7 +21,7 @@ from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
-from r3cache.store.base import StoreStats, check_put
+from r3cache.store.base import StoreStats
 from r3cache.store.writers.bounded import BoundedCalls
 from r3cache.store.writers.ring import DEFAULT_RING_BYTES, BlockRing
 
@@ -227,9 +227,6 @@ class ProcessWriter:
         self._check()
         if not (objects or retain_keys or release_keys or manifests):
             return
-        # Bad arguments are refused here, not in the helper; the blocks were checked by
-        # the tier's local put or the publisher.
-        check_put(self.layout, objects, retain_keys, release_keys, manifests, blocks=False)
         deadline = time.monotonic() + self.max_wait
         keys, rows = list(objects), list(objects.values())
         # A put larger than the ring goes as several; pins and manifests ride on the
@@ -254,8 +251,9 @@ class ProcessWriter:
                     began = began or time.monotonic()
                     self._await_reply(deadline)
                     start = self._ring.place(len(keys))
-                # One C call (stack adds a Python step per block). Blocks are whole: the
-                # tier's local put and the publisher checked them.
+                # One C call (stack adds a Python step per block). Every argument was
+                # checked by its only callers: the tier (check_put, then its local put)
+                # and the publisher (its rows, manifests of its own making).
                 np.concatenate(rows, out=self._ring.view(start, len(keys)).reshape(
                     -1, *self.layout.row_shape))
             item = pickle.dumps(("put", keys, start, retain, release, manifests),
