@@ -165,6 +165,28 @@ def test_packed_hashes_key_blocks_as_the_hashes_one_by_one(harness):
     np.testing.assert_array_equal(h.store.get_concatenated(h.keys("r", 0, 2)), h.rows("r", 0, 8))
 
 
+def test_samples_of_one_prompt_bringing_the_same_packed_hashes_each_pin_every_block(harness):
+    """GRPO's samples of one prompt are scheduled together with equal packed hashes (converted
+    once): each pins every block, and a request with another prompt keeps its own keys."""
+    h = harness
+    for r in ("a", "b", "c"):
+        h.add(r, TOKENS)
+    h.add("other", TOKENS[::-1])
+    data = b"".join(h.hashes("a", 0, 2))
+    hashes = {"a": PackedHashes(data, 32), "b": PackedHashes(bytes(bytearray(data)), 32),
+              "c": PackedHashes(bytearray(data), 32),
+              "other": PackedHashes(b"".join(h.hashes("other", 0, 2)), 32)}
+    h.begin(dict.fromkeys(hashes, 0), hashes)
+    h.step([(r, 0, 9) for r in hashes], sampled=[1] * 4)
+    h.worker.store.flush()
+    assert [h.refcount(k) for k in h.keys("a", 0, 2)] == [3, 3]
+    assert [h.refcount(k) for k in h.keys("other", 0, 2)] == [1, 1]
+    np.testing.assert_array_equal(h.store.get_concatenated(h.keys("other", 0, 2)),
+                                  h.rows("other", 0, 8))
+    h.begin(finished=["a", "b"])
+    assert [h.refcount(k) for k in h.keys("a", 0, 2)] == [1, 1]
+
+
 @pytest.mark.parametrize("deferred", [False, True])
 def test_finished_requests_release_keys_tail_first(layout, deferred):
     h = Harness(layout, max_bytes=3 * layout.block_nbytes, max_concurrent_batches=2)

@@ -54,6 +54,24 @@ def block_keys(hashes: Sequence[BlockHash] | PackedHashes) -> list[str]:
     return [block_key(h) for h in hashes]
 
 
+def keys_by_request(block_hashes: Mapping[str, Sequence[BlockHash] | PackedHashes]
+                    ) -> dict[str, list[str]]:
+    """Each request's new block keys (block_keys). Requests that bring the same packed
+    hashes in one step (the samples of one prompt, scheduled together) share one list,
+    converted once: it is only read."""
+    out: dict[str, list[str]] = {}
+    seen: dict[PackedHashes, list[str]] = {}
+    for req_id, hashes in block_hashes.items():
+        if isinstance(hashes, PackedHashes) and hashes.data.__class__ is bytes:
+            keys = seen.get(hashes)
+            if keys is None:
+                keys = seen[hashes] = block_keys(hashes)
+        else:
+            keys = block_keys(hashes)
+        out[req_id] = keys
+    return out
+
+
 @dataclass(frozen=True)
 class StepMetadata:
     """One scheduler step's request registrations, new block hashes and finished requests.
