@@ -8,7 +8,7 @@ import pytest
 
 from r3cache import RequestOutput, RoutingLayout, StepBatch, WorkerConnector
 from r3cache.connector import PackedHashes
-from r3cache.connector.metadata import block_key, block_keys
+from r3cache.connector.metadata import StepMetadata, block_key, block_keys
 from r3cache.errors import (
     BlockNotFoundError,
     CursorError,
@@ -17,6 +17,7 @@ from r3cache.errors import (
     LayoutMismatchError,
     MetadataError,
 )
+from r3cache.manifest import Completion
 from r3cache.store.memory import MemoryBlockStore
 from tests.conftest import Harness
 
@@ -185,6 +186,22 @@ def test_samples_of_one_prompt_bringing_the_same_packed_hashes_each_pin_every_bl
                                   h.rows("other", 0, 8))
     h.begin(finished=["a", "b"])
     assert [h.refcount(k) for k in h.keys("a", 0, 2)] == [1, 1]
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_without_manifests_a_finished_request_holds_nothing(layout, record):
+    """An engine's embedded store, which no trainer can read, records no manifests: each
+    would hold its blocks until the store is full."""
+    h = Harness(layout)
+    h.worker = WorkerConnector(layout=layout, store=h.store, max_num_seqs=2,
+                               record_manifests=record)
+    h.add("r", TOKENS[:11])
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 2)})
+    assert_output(h.step([("r", 0, 10)], sampled=[1])["r"], h, "r", 0, 10)
+    h.worker.begin_step(StepMetadata(0, {}, {}, ("r",), {"r": Completion(0, 11)}))
+    assert [h.refcount(k) for k in h.keys("r", 0, 2)] == ([1, 1] if record else [0, 0])
+    assert h.store.stats().manifests == h.worker.stats.manifests == int(record)
+    np.testing.assert_array_equal(h.store.get_concatenated(h.keys("r", 0, 2)), h.rows("r", 0, 8))
 
 
 @pytest.mark.parametrize("deferred", [False, True])

@@ -83,3 +83,9 @@ def test_a_store_it_cannot_reach_stops_the_server(model):
 def test_without_routed_experts_the_server_does_not_start(model, redis_url):
     log = _refused(model, {"R3CACHE_URL": redis_url}, flags="")
     assert "--enable-return-routed-experts" in log and "IntegrationError" in log, log[-3000:]
+
+
+def test_an_embedded_store_stops_the_server(model):
+    """memory:// would keep every request's routes inside the scheduler, read by no one."""
+    log = _refused(model, {"R3CACHE_URL": "memory://"})
+    assert "IntegrationError" in log and "memory://" in log, log[-3000:]

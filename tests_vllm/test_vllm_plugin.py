@@ -57,6 +57,22 @@ def test_routes_in_the_store_equal_vllms_inline_routes(request, backend, model, 
     assert run.report["blocks_read"] > 0
 
 
+def test_on_the_embedded_store_routes_are_inline_and_nothing_is_held_for_a_trainer(
+        model, baseline, tmp_path):
+    """memory:// lives inside the engine: sized as vLLM sizes its own store (a block of
+    routes per KV-cache block), serving prefix hits, with no manifest no one could read."""
+    run = run_vllm(model, tmp_path, grpo_prompts(), max_tokens=MAX_TOKENS, rounds=2,
+                   env={"R3CACHE_URL": "memory://"})
+    report = run.report
+    assert report["connector"] == "r3cache.integrations.vllm"
+    for request_id in baseline.ids:
+        assert run.routes(request_id).tobytes() == baseline.routes(request_id).tobytes()
+    kv_block_size = 32  # generate.py's block_size; a routes block covers a hash block
+    assert report["store_max_bytes"] == (report["kv_cache_blocks"] * report["block_nbytes"]
+                                         * kv_block_size // report["hash_block_size"])
+    assert report["manifests"] == 0 and report["blocks_read"] > 0
+
+
 def test_a_second_engine_stores_nothing_twice(model, redis_url, namespace, tmp_path):
     env = {"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace}
     first = run_vllm(model, tmp_path, grpo_prompts(), env=env, max_tokens=MAX_TOKENS,

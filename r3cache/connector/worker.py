@@ -173,6 +173,7 @@ class WorkerConnector:
         store_wait: float = 10.0,
         on_unavailable: str = "raise",
         capturer: Any = None,
+        record_manifests: bool = True,
     ) -> None:
         if store.layout != layout:
             raise LayoutMismatchError(
@@ -193,6 +194,9 @@ class WorkerConnector:
             )
         self.layout = layout
         layout.prepare_checks()
+        # False where nothing outside this process could read or release a manifest (an
+        # engine's embedded store): each would hold its blocks until the store is full.
+        self.record_manifests = record_manifests
         self.max_num_batched_tokens = max_num_batched_tokens
         # Steps without explicit rows snapshot this capturer (r3cache.capture); their host
         # copies go through a ring of max_concurrent_batches pinned buffers.
@@ -302,7 +306,7 @@ class WorkerConnector:
             for req_id in metadata.finished_requests:
                 slot = table.lookup(req_id)
                 table.finishing.add(slot)
-                if req_id in metadata.completions:
+                if self.record_manifests and req_id in metadata.completions:
                     table.completion[slot] = metadata.completions[req_id]
                     table.record_as[slot] = metadata.record_as.get(req_id)
                 if not self._in_flight(slot):

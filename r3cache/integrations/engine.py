@@ -35,6 +35,17 @@ def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str,
     return urlunsplit(parts._replace(query=rest)), options
 
 
+def embedded(url: str) -> bool:
+    """Whether the store URL names the embedded store: inside the engine's process, where
+    nothing else (a trainer, another replica) can read what it holds."""
+    return urlsplit(url).scheme == "memory"
+
+
+def url_sets(url: str, option: str) -> bool:
+    """Whether the store URL's query gives ``option``."""
+    return any(key == option for key, _ in parse_qsl(urlsplit(url).query))
+
+
 def inline() -> bool:
     """Whether responses keep their inline routes (R3CACHE_INLINE, default on)."""
     return os.environ.get("R3CACHE_INLINE", "1").lower() not in ("0", "false", "no")

@@ -5,6 +5,8 @@ main process, its scheduler processes and its detokenizer. It does nothing unles
 ``R3CACHE_URL`` is set; then the server must run with ``--enable-return-routed-experts``,
 and:
 
+- a ``memory://`` URL is refused: the store would live inside the scheduler, out of
+  every trainer's reach;
 - each scheduler that hands out its batches' results (attention-TP rank 0; not with
   pipeline parallelism or prefill-decode disaggregation, which it refuses) opens the store
   ``R3CACHE_URL`` names, under ``R3CACHE_NAMESPACE`` (default: the served model name and
@@ -132,6 +134,10 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
         raise IntegrationError("R3CACHE_URL is set, but SGLang runs without "
                                "--enable-return-routed-experts: there are no routes to store")
     url, options = engine.split_url(os.environ["R3CACHE_URL"], _OPTIONS)
+    if engine.embedded(url):
+        raise IntegrationError("R3CACHE_URL is memory://, a store inside this scheduler: no "
+                               "trainer could read the routes published there, and their "
+                               "manifests would hold them until it is full; use a Redis URL")
     config = scheduler.model_config
     layout = RoutingLayout(capturer.num_layers, capturer.topk_size,
                            _num_experts(config.hf_text_config), options.pop("block_size", 16))

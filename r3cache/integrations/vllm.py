@@ -13,6 +13,9 @@ set; then, with ``--enable-return-routed-experts``:
   knows (``RequestOutput.request_id``; ``<id>/<i>`` for the i-th sample of ``n > 1``);
 - ``R3CACHE_INLINE=0`` leaves ``routed_experts`` out of responses (keys only: the trainer
   reads the routes from the store by request id);
+- ``memory://`` keeps the blocks inside the engine, sized as vLLM sizes its own store (a
+  block of routes per KV-cache block, unless the URL or ``--aux-output-config`` gives
+  ``max_bytes``), and records no manifests: nothing outside the engine could read them;
 - the connector's Prometheus metrics (``r3cache.metrics``) appear on vLLM's own /metrics
   (the engine core exports them to a directory the API server reads), and with
   ``R3CACHE_METRICS_PORT`` also on a port of the engine core's own.
@@ -335,26 +338,39 @@ def worker_connector(model, vllm_config, kv_cache_config) -> VllmWorkerConnector
     if not get_tp_group().is_first_rank:
         return VllmWorkerConnector(None)
     num_layers, topk = capturer.shape_per_token
-    _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    kv_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     layout = RoutingLayout(num_layers, topk, vllm_config.model_config.get_num_experts(),
                            hash_block_size)
     url, connector_options = split_url(os.environ["R3CACHE_URL"])
     namespace = os.environ.get("R3CACHE_NAMESPACE") or default_namespace(
         vllm_config.model_config)
+    store_options = {}
+    embedded = engine.embedded(url)
+    if embedded and not engine.url_sets(url, "max_bytes"):
+        # Sized as vLLM sizes its own store: a block of routes for every block the KV
+        # cache holds, so no prefix hit finds its routes evicted.
+        store_options["max_bytes"] = vllm_config.aux_output_config.max_bytes or (
+            kv_cache_config.num_blocks * (kv_block_size // hash_block_size)
+            * layout.block_nbytes)
     store = open_store(url, layout=layout, namespace=namespace,
-                       hash_algo=vllm_config.cache_config.prefix_caching_hash_algo)
+                       hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
+                       **store_options)
     try:
         worker = WorkerConnector(
             layout=layout, store=store,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             max_num_batched_tokens=max_tokens,
             max_concurrent_batches=vllm_config.max_concurrent_batches,
-            capturer=_VllmCapture(capturer, layout, max_tokens), **connector_options)
+            capturer=_VllmCapture(capturer, layout, max_tokens),
+            record_manifests=not embedded, **connector_options)
     except BaseException:
         store.close()
         raise
     log.info("r3cache: routed experts of %s go to %r (namespace %r, layout %s)",
              vllm_config.model_config.model, store, namespace, layout.fingerprint)
+    if embedded and not engine.inline():
+        log.warning("r3cache: R3CACHE_INLINE=0 on memory://: responses carry no routes, and "
+                    "no trainer can read a store inside the engine; use a Redis URL")
     _publish_metrics()
     return VllmWorkerConnector(worker)
 
