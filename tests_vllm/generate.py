@@ -78,6 +78,7 @@ def main() -> None:
         report["store_max_bytes"] = getattr(worker.store, "max_bytes", None)
         report["block_nbytes"] = worker.layout.block_nbytes
         report["hash_block_size"] = worker.layout.block_size
+        report["steps_in_flight"] = worker.max_concurrent_batches
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         report["kv_cache_blocks"] = scheduler.kv_cache_config.num_blocks
     Path(args.out).with_suffix(".json").write_text(json.dumps(report))

@@ -67,9 +67,11 @@ def test_on_the_embedded_store_routes_are_inline_and_nothing_is_held_for_a_train
     assert report["connector"] == "r3cache.integrations.vllm"
     for request_id in baseline.ids:
         assert run.routes(request_id).tobytes() == baseline.routes(request_id).tobytes()
-    kv_block_size = 32  # generate.py's block_size; a routes block covers a hash block
-    assert report["store_max_bytes"] == (report["kv_cache_blocks"] * report["block_nbytes"]
-                                         * kv_block_size // report["hash_block_size"])
+    # generate.py: block_size 32, 512 tokens and 8 requests a step.
+    hash_block = report["hash_block_size"]
+    blocks = (report["kv_cache_blocks"] * 32 // hash_block
+              + report["steps_in_flight"] * (512 // hash_block + 8))
+    assert report["store_max_bytes"] == blocks * report["block_nbytes"]
     assert report["manifests"] == 0 and report["blocks_read"] > 0
 
 

@@ -14,8 +14,9 @@ set; then, with ``--enable-return-routed-experts``:
 - ``R3CACHE_INLINE=0`` leaves ``routed_experts`` out of responses (keys only: the trainer
   reads the routes from the store by request id);
 - ``memory://`` keeps the blocks inside the engine, sized as vLLM sizes its own store (a
-  block of routes per KV-cache block, unless the URL or ``--aux-output-config`` gives
-  ``max_bytes``), and records no manifests: nothing outside the engine could read them;
+  block of routes per KV-cache block, plus those of the steps in flight, unless the URL or
+  ``--aux-output-config`` gives ``max_bytes``), and records no manifests: nothing outside
+  the engine could read them;
 - the connector's Prometheus metrics (``r3cache.metrics``) appear on vLLM's own /metrics
   (the engine core exports them to a directory the API server reads), and with
   ``R3CACHE_METRICS_PORT`` also on a port of the engine core's own.
@@ -346,21 +347,25 @@ def worker_connector(model, vllm_config, kv_cache_config) -> VllmWorkerConnector
         vllm_config.model_config)
     store_options = {}
     embedded = engine.embedded(url)
+    depth = vllm_config.max_concurrent_batches
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
     if embedded and not engine.url_sets(url, "max_bytes"):
         # Sized as vLLM sizes its own store: a block of routes for every block the KV
-        # cache holds, so no prefix hit finds its routes evicted.
+        # cache holds, so no prefix hit finds its routes evicted; plus the blocks of the
+        # steps in flight, which finished requests hold until those steps are processed
+        # while the KV cache already reuses their blocks.
+        per_step = max_tokens // hash_block_size + max_num_seqs
         store_options["max_bytes"] = vllm_config.aux_output_config.max_bytes or (
-            kv_cache_config.num_blocks * (kv_block_size // hash_block_size)
-            * layout.block_nbytes)
+            (kv_cache_config.num_blocks * (kv_block_size // hash_block_size)
+             + depth * per_step) * layout.block_nbytes)
     store = open_store(url, layout=layout, namespace=namespace,
                        hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
                        **store_options)
     try:
         worker = WorkerConnector(
             layout=layout, store=store,
-            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=max_tokens,
-            max_concurrent_batches=vllm_config.max_concurrent_batches,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+            max_concurrent_batches=depth,
             capturer=_VllmCapture(capturer, layout, max_tokens),
             record_manifests=not embedded, **connector_options)
     except BaseException:
