@@ -15,7 +15,7 @@ identical rows. Scenarios (layout L=48, K=8, 128 experts, uint8, block 16):
   decode        256 requests x 1 token, staggered so blocks complete every step
   decode32      the same with 32 requests (a small server: per-step costs dominate)
   chunked       prompts of 2048 tokens in 1024-token chunks, 8 requests a step,
-                four finishing a step (manifests written)
+                four finishing a step (manifests written on Redis)
   prefix        a producer prefilling a 2048-token prompt and 7 requests hitting it in
                 the same batch, owed the prompt's rows from the store; one group a step
   spec          64 requests x (1 + 4 drafts), random rejections
@@ -47,6 +47,7 @@ import torch
 
 from r3cache import RoutingLayout, open_store
 from r3cache.connector.worker import WorkerConnector
+from r3cache.integrations import engine
 from r3cache.integrations.vllm import R3ConnectorMetadata, VllmWorkerConnector, _VllmCapture
 from r3cache.manifest import Completion
 from r3cache.sim import oracle_rows
@@ -254,15 +255,17 @@ def vllm_connector(capturer, depth: int, max_num_seqs: int):
     return c
 
 
-def r3cache_connector(capturer, depth: int, max_num_seqs: int, url: str):
-    """r3cache's WorkerConnector as the vLLM plugin builds it, behind its adapter."""
-    store = open_store(url, layout=LAYOUT, namespace=f"bench-vs-vllm-{os.getpid()}-"
-                       f"{time.monotonic_ns()}", **({"max_bytes": 4 << 30}
-                                                   if url.startswith("memory") else {}))
+def r3cache_connector(capturer, depth: int, max_num_seqs: int, url: str,
+                      namespace: str = "bench-vs-vllm"):
+    """r3cache's WorkerConnector as the vLLM plugin builds it, behind its adapter: on the
+    embedded store it records no manifests (no trainer could read them), as the plugin."""
+    embedded = engine.embedded(url)
+    store = open_store(url, layout=LAYOUT, namespace=f"{namespace}-{os.getpid()}-"
+                       f"{time.monotonic_ns()}", **({"max_bytes": 4 << 30} if embedded else {}))
     return VllmWorkerConnector(WorkerConnector(
         layout=LAYOUT, store=store, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=MAX_TOKENS, max_concurrent_batches=depth,
-        capturer=_VllmCapture(capturer, LAYOUT, MAX_TOKENS)))
+        capturer=_VllmCapture(capturer, LAYOUT, MAX_TOKENS), record_manifests=not embedded))
 
 
 def run(make, scenario: str, steps: int, pool: torch.Tensor,
