@@ -159,6 +159,9 @@ def test_packed_hashes_key_blocks_as_the_hashes_one_by_one(harness):
     one = h.hashes("r", 0, 1)[0]
     for data in (one, bytearray(one), memoryview(one)):  # one hash: a decode step's case
         assert block_keys(PackedHashes(data, 32)) == [block_key(one)] == h.keys("r", 0, 1)
+    for data in (packed.data, bytearray(packed.data), memoryview(packed.data)):
+        assert block_keys(PackedHashes(data, 32)) == [*map(block_key, h.hashes("r", 0, 2))]
+    assert block_keys(PackedHashes(b"", 32)) == []  # a step that completed no block
     h.begin({"r": 0}, {"r": packed})
     h.step([("r", 0, 9)], sampled=[1])
     h.worker.store.flush()

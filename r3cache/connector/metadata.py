@@ -46,11 +46,11 @@ def block_keys(hashes: Sequence[BlockHash] | PackedHashes) -> list[str]:
         if size < 1 or len(hashes.data) % size:
             raise InvalidBatchError(f"packed block hashes: {len(hashes.data)} bytes are not "
                                     f"a whole number of {size}-byte hashes")
-        data = hashes.data
-        text, width = (data if data.__class__ is bytes else bytes(data)).hex(), 2 * size
-        if len(text) == width:
-            return [text]  # a decode step's usual case: one new block
-        return [text[i : i + width] for i in range(0, len(text), width)]
+        data = hashes.data if hashes.data.__class__ is bytes else bytes(hashes.data)
+        if len(data) == size:
+            return [data.hex()]  # a decode step's usual case: one new block
+        # One C call splits them: hex with a separator between hashes.
+        return data.hex(" ", size).split(" ") if data else []
     return [block_key(h) for h in hashes]
 
 
