@@ -46,9 +46,7 @@ def theirs(pool) -> dict[str, list]:
 @pytest.mark.parametrize("scenario", list(bench.SCENARIOS))
 def test_every_step_yields_the_rows_vllms_own_connector_yields(request, backend, scenario,
                                                                pool, theirs):
-    url = ("memory://" if backend == "memory"
-           else request.getfixturevalue(f"{backend}_url" if backend == "cluster"
-                                        else "redis_url"))
+    url = "memory://" if backend == "memory" else request.getfixturevalue(f"{backend}_url")
     ours: list = []
     bench.run(lambda c, d, m: bench.r3cache_connector(c, d, m, url, f"{SESSION}-parity"),
               scenario, STEPS, pool, ours)
