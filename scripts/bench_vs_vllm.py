@@ -268,6 +268,12 @@ def r3cache_connector(capturer, depth: int, max_num_seqs: int, url: str,
         capturer=_VllmCapture(capturer, LAYOUT, MAX_TOKENS), record_manifests=not embedded))
 
 
+def row_pool() -> torch.Tensor:
+    """The valid rows the steps' captured rows are drawn from, as vLLM's int32 buffer holds
+    them."""
+    return torch.from_numpy(oracle_rows(list(range(_POOL)), LAYOUT).astype(np.int32))
+
+
 def run(make, scenario: str, steps: int, pool: torch.Tensor,
         outputs: list | None = None) -> list[dict[str, float]]:
     """One connector through one scenario; per measured step, seconds per phase.
@@ -326,7 +332,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import vllm
 
-    pool = torch.from_numpy(oracle_rows(list(range(_POOL)), LAYOUT).astype(np.int32))
+    pool = row_pool()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, vLLM {vllm.__version__}, torch "
           f"{torch.__version__}, layout {LAYOUT.fingerprint}")

@@ -11,12 +11,9 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-import numpy as np
 import pytest
 import torch
 from conftest import ROOT, SESSION
-
-from r3cache.sim import oracle_rows
 
 _spec = importlib.util.spec_from_file_location("bench_vs_vllm",
                                                ROOT / "scripts" / "bench_vs_vllm.py")
@@ -28,8 +25,7 @@ STEPS = 24  # past every scenario's warm-up, with blocks completing and requests
 
 @pytest.fixture(scope="module")
 def pool() -> torch.Tensor:
-    return torch.from_numpy(
-        oracle_rows(list(range(bench._POOL)), bench.LAYOUT).astype(np.int32))
+    return bench.row_pool()
 
 
 @pytest.fixture(scope="module")
