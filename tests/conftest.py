@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -94,6 +95,15 @@ def async_harness(layout) -> Harness:
 # exactly those keys, so sessions sharing one Redis (CI beside a developer's run, two CI
 # jobs) never delete each other's data mid-test.
 SESSION = f"test-{uuid.uuid4().hex[:8]}"
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")

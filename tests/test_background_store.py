@@ -89,6 +89,38 @@ def test_close_drains_pending_writes_then_refuses_calls():
         store.put({"x": blk(1)})
 
 
+def test_close_on_a_stalled_store_fails_after_max_wait_and_the_writer_finishes_alone():
+    inner = GatedStore(LAYOUT, "t")
+    store = BackgroundBlockStore(inner, max_pending=4, max_wait=0.3)
+    for i in range(3):  # one taken by the writer, which stalls; two queued
+        store.put({f"k{i}": blk(i)})
+    began = time.perf_counter()
+    with pytest.raises(StoreUnavailableError, match="3 batch"):
+        store.close()
+    assert 0.25 < time.perf_counter() - began < 2.0
+    with pytest.raises(StoreClosedError):
+        store.put({"x": blk(1)})
+    inner.gate.set()  # the store answers again: the writer drains, then closes it
+    store._thread.join(5)
+    assert not store._thread.is_alive() and inner.stats().blocks_written == 3
+    with pytest.raises(StoreClosedError):
+        inner.put({"y": blk(1)})
+
+
+def test_close_waits_for_a_writer_that_keeps_making_progress():
+    class SlowStore(MemoryBlockStore):
+        def put(self, *args, **kwargs):
+            time.sleep(0.1)  # each batch well inside max_wait, all of them beyond it
+            super().put(*args, **kwargs)
+
+    inner = SlowStore(LAYOUT, "t")
+    store = BackgroundBlockStore(inner, max_pending=16, max_wait=0.3)
+    for i in range(8):
+        store.put({f"k{i}": blk(i)})
+    store.close()
+    assert inner.stats().blocks_written == 8
+
+
 def test_a_stalled_writer_makes_put_fail_after_max_wait_not_hang():
     inner = GatedStore(LAYOUT, "t")
     store = BackgroundBlockStore(inner, max_pending=1, max_wait=0.2)

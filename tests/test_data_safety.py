@@ -28,6 +28,7 @@ from r3cache.manifest import BlockRef, Completion, Manifest
 from r3cache.sim import oracle_rows
 from r3cache.store.redis.janitor import holders, reclaim_dead_owners
 from r3cache.testing import RedisServer
+from tests.conftest import wait_for
 
 LAYOUT = RoutingLayout(num_layers=3, topk=2, num_experts=16, block_size=4)
 WIDE = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)  # 6 KiB blocks
@@ -44,14 +45,6 @@ def blk(seed: int, layout: RoutingLayout = LAYOUT) -> np.ndarray:
 def pttl(store, key: str) -> int:
     block = store.keys.block(key)
     return store.client_for(block).pttl(block)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 # -- 1. rows are the request's own ----------------------------------------------------

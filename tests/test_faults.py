@@ -331,3 +331,49 @@ def test_a_cluster_with_no_node_answering_is_a_typed_error_and_the_lease_outlive
         finally:
             with contextlib.suppress(R3Error):
                 store.close()
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_closing_on_a_stalled_redis_is_bounded_and_the_holds_still_go(writer, layout,
+                                                                     reliability):
+    """An engine shut down while Redis is stalled: close() answers within store_wait, and
+    once Redis answers again the engine's holds go (the writer's own late close, or the
+    janitor after the lease)."""
+    from r3cache import StepBatch, StepMetadata, WorkerConnector
+    from r3cache.errors import StoreUnavailableError
+    from r3cache.hashing import block_hashes
+    from r3cache.sim import oracle_rows
+    from r3cache.store.redis.janitor import holders, reclaim_dead_owners
+    from tests.conftest import wait_for
+
+    namespace = f"close-stalled-{writer}"
+    with RedisServer() as server:
+        store = open_store(server.url, layout=layout, namespace=namespace, lease_ttl=1,
+                           idle_ttl=120)
+        worker = WorkerConnector(layout=layout, store=store, writer=writer, store_wait=0.5)
+        tokens = list(range(9))  # two whole blocks of 4, still running
+        worker.begin_step(StepMetadata(0, {"r": 0}, {"r": block_hashes(tokens, 4)[:2]}, ()))
+        pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 8])),
+                                        routed_experts=oracle_rows(tokens, layout)[:8])
+        pending.enqueue_cpu_copy([1], [0])
+        worker.process_output(pending)
+        worker.store.flush()
+        probe = open_store(server.url, layout=layout, namespace=namespace, lease=False,
+                           janitor=False)
+        assert sum(map(len, holders(probe).values())) == 2
+        server.process.send_signal(signal.SIGSTOP)
+        began = time.monotonic()
+        try:
+            with pytest.raises(StoreUnavailableError, match="while closing"):
+                worker.close()
+            took = time.monotonic() - began
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        assert 0.45 < took < 1.5
+        wait_for(lambda: not reclaim_dead_owners(probe).live_owners and not holders(probe),
+                 15, "the engine's holds to go")
+        probe.close()
+    reliability(f"engine closed while Redis is stalled (SIGSTOP), {writer} writer",
+                "1 request holding 2 blocks", "close() raises a typed error within "
+                "store_wait (0.5 s); the holds go once Redis answers",
+                f"close() answered after {took:.2f} s; no hold left")

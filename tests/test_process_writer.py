@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -17,6 +18,7 @@ from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import ProcessWriter
 from r3cache.store.writers.ring import BlockRing
 from r3cache.testing import RedisServer
+from tests.conftest import wait_for
 
 LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
 
@@ -102,12 +104,18 @@ def test_puts_gathered_into_one_round_keep_every_effect(redis_url, namespace):
             for i in range(3)]
     writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60})
     manifest = Manifest("req", LAYOUT.fingerprint, Completion(0, 17), [BlockRef("c", 0, 16)])
+    # Stopped while the puts are sent, the helper finds them all waiting: one round,
+    # whatever the machine's load (else a slow feeder splits them, and the second write
+    # of "c" is this writer's own conflict, read back as its variant).
+    writer._process.send_signal(signal.SIGSTOP)
     writer.put({"a": rows[0]}, retain_keys=["a"])
     writer.put({}, release_keys=["a"])
     writer.put({}, retain_keys=["a"])
     writer.put({"b": rows[1]}, retain_keys=["b"], release_keys=["b"])
     writer.put({"c": rows[2]}, manifests=[manifest])
     writer.put({"c": rows[0]})  # a second write of "c": the first one's rows stay
+    wait_for(lambda: writer.pending == 0, 5, "the feeder to send every put")
+    writer._process.send_signal(signal.SIGCONT)
     writer.flush()
     reader = writer.reader
     np.testing.assert_array_equal(reader.get_concatenated(["a", "b", "c"]),

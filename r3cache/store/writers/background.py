@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -13,13 +14,15 @@ from r3cache.errors import ContractError, StoreClosedError, StoreUnavailableErro
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import BlockStore, StoreStats, check_put
-from r3cache.store.writers.bounded import BoundedCalls
+from r3cache.store.writers.bounded import BoundedCalls, wait_while_progressing
 
 DEFAULT_MAX_PENDING = 512
 # What an unavailable store does to the engine: "raise" a typed error at the next call,
 # or drop the batch and go on ("incomplete": those requests' read-back fails clearly).
 POLICIES = ("raise", "incomplete")
 _STOP = object()
+log = logging.getLogger("r3cache.store")
+_IDLE_POLL = 0.5  # seconds between an idle writer's looks at whether the store closed
 
 
 class BackgroundBlockStore:
@@ -47,6 +50,7 @@ class BackgroundBlockStore:
         self.hash_algo = inner.hash_algo
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
+        self._close_error: BaseException | None = None  # from the inner store's close
         self._closed = False
         self._thread = threading.Thread(
             target=self._run, name=f"r3cache-writer-{inner.namespace}", daemon=True
@@ -150,35 +154,71 @@ class BackgroundBlockStore:
         return getattr(self.inner, "conflicts", 0)
 
     def close(self) -> None:
-        """Drain the queue, stop the writer and close the inner store."""
+        """Drain the queue, stop the writer and close the inner store.
+
+        Waits while the writer makes progress, but at most ``max_wait`` seconds for each
+        next batch: a store that stalls or goes down raises StoreUnavailableError here
+        instead of holding the engine's shutdown for the client's timeouts. The writer then
+        finishes or fails the rest and closes the inner store on its own (a durable store's
+        holds expire with its lease, and the janitor reclaims them).
+        """
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
-        self._thread.join()
         self._reads.close()
         try:
-            self.inner.close()
-        finally:
-            self._raise_error()
+            self._queue.put(_STOP, timeout=self.max_wait)
+            stop = 1
+            stalled = not wait_while_progressing(lambda: not self._thread.is_alive(),
+                                                 lambda: self._queue.unfinished_tasks,
+                                                 self.max_wait)
+        except queue.Full:  # the writer took nothing for max_wait; it stops once it
+            stop, stalled = 0, True  # finds the queue empty
+        if stalled:
+            pending = self._queue.unfinished_tasks - stop
+            message = (f"namespace {self.namespace!r}: the writer made no progress for "
+                       f"{self.max_wait:g} s while closing (store down or stalled?): "
+                       + (f"{pending} batch(es) not written yet" if pending else
+                          "its holds not dropped yet")
+                       + "; it goes on alone, and a durable store's holds expire with its "
+                       "lease")
+            if self.on_unavailable == "raise":
+                raise StoreUnavailableError(message)
+            log.warning("%s", message)  # "incomplete": the engine goes on, and so does close
+            return
+        self._raise_error()
+        if self._close_error is not None:
+            raise self._close_error
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                if self._error is None:
-                    self.inner.put(*item)
-            except StoreUnavailableError as exc:
-                if self.on_unavailable == "incomplete":
-                    self.dropped_batches += 1  # this batch is lost; the next may succeed
-                else:
+        try:
+            while True:
+                try:
+                    item = self._queue.get(timeout=_IDLE_POLL)
+                except queue.Empty:
+                    if self._closed:
+                        return  # close() could not queue its stop: nothing more comes
+                    continue
+                try:
+                    if item is _STOP:
+                        return
+                    if self._error is None:
+                        self.inner.put(*item)
+                except StoreUnavailableError as exc:
+                    if self.on_unavailable == "incomplete":
+                        self.dropped_batches += 1  # this batch is lost; the next may succeed
+                    else:
+                        self._error = exc
+                except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller
                     self._error = exc
-            except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller
-                self._error = exc
-            finally:
-                self._queue.task_done()
+                finally:
+                    self._queue.task_done()
+        finally:
+            # Here, not in close(): close() may have given up on a stalled store.
+            try:
+                self.inner.close()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by close()
+                self._close_error = exc
 
     def _check(self) -> None:
         if self._closed:

@@ -1,4 +1,5 @@
-"""BoundedCalls: store calls made on a helper thread, so the engine waits at most a deadline."""
+"""Bounded waits on writers: store calls made on a helper thread (BoundedCalls), so the engine
+waits at most a deadline, and waits on a draining writer that give up once it stalls."""
 
 from __future__ import annotations
 
@@ -35,3 +36,20 @@ class BoundedCalls:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def wait_while_progressing(done: Callable[[], bool], progress: Callable[[], Any],
+                           patience: float, poll: float = 0.01) -> bool:
+    """Wait until ``done()``; False once ``progress()`` has not changed for ``patience``
+    seconds. A writer draining a long backlog into a healthy store is waited for; one
+    stuck on a stalled store is given up on after one ``store_wait``."""
+    seen, since = progress(), time.monotonic()
+    while not done():
+        now = time.monotonic()
+        current = progress()
+        if current != seen:
+            seen, since = current, now
+        elif now - since >= patience:
+            return False
+        time.sleep(min(poll, max(since + patience - now, 0)))
+    return True

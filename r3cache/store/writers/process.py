@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -30,6 +31,7 @@ _NICE = 10  # the helper's niceness above the engine's
 _CHECK_EVERY = 0.05  # seconds between put()'s looks at the helper's replies and liveness
 _LINGER = 0.001  # seconds the helper waits for more puts to write in the same round
 _GATHER_KEYS = 4096  # ... but no more pins than this in one round
+_FEEDER_EXIT = 1.0  # seconds close() waits for the feeder thread, its socket shut down
 
 
 def _open(url: str, layout: RoutingLayout, namespace: str, options: dict, patience: float):
@@ -110,7 +112,8 @@ def _serve(connection: Connection) -> None:
             connection.send(("flushed", message[1]))
         elif kind == "close":
             store.close()
-            connection.send(("closed",))
+            with contextlib.suppress(OSError):  # the engine gave up waiting and hung up
+                connection.send(("closed",))
             return
 
 
@@ -348,23 +351,47 @@ class ProcessWriter:
         return self._ring.in_use, self._ring.capacity
 
     def close(self) -> None:
-        """Drain the queue, let the helper drop its holds and lease, and stop it."""
+        """Drain the queue, let the helper drop its holds and lease, and stop it.
+
+        Waits while the helper answers, but at most ``max_wait`` seconds for each next
+        answer: on a store that stalls or goes down this raises StoreUnavailableError
+        instead of holding the engine's shutdown. The helper then applies what it was sent
+        and exits without closing the store; its lease expires and the janitor reclaims
+        its holds, as after a crash.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             if self._process.poll() is None:
-                self._outbox.put(("close",))
-                while self._reply(timeout=60.0)[0] not in ("closed", "error"):
+                self._outbox.put(("close",), timeout=self.max_wait)
+                while self._reply(timeout=self.max_wait)[0] not in ("closed", "error"):
                     pass
-            self._process.wait(10)
+                self._process.wait(self.max_wait)
+        except (queue.Full, StoreUnavailableError, subprocess.TimeoutExpired):
+            raise StoreUnavailableError(
+                f"namespace {self.namespace!r}: the writer process did not answer for "
+                f"{self.max_wait:g} s while closing (Redis down or stalled?); what it had not "
+                "written yet may be lost, and its holds expire with its lease") from None
         finally:
-            self._connection.close()
+            self._hang_up()
             self._ring.close()
             self._reads.close()
             self.reader.close()
         if self._error:
             raise WriterError(self._error)
+
+    def _hang_up(self) -> None:
+        """End the connection to the helper: shut down first, so a feeder blocked on a
+        stalled helper fails at once and exits, and a helper still writing reads what was
+        sent, then finds the end and exits; then close it, the feeder gone."""
+        with contextlib.suppress(OSError), \
+                socket.socket(fileno=os.dup(self._connection.fileno())) as end:
+            end.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(queue.Full):
+            self._outbox.put_nowait(("close",))  # a feeder waiting for work stops as well
+        self._feeder.join(_FEEDER_EXIT)
+        self._connection.close()
 
     def _reply(self, timeout: float | None) -> tuple:
         try:
