@@ -138,36 +138,36 @@ class MemoryBlockStore:
     def _retain(self, keys: Iterable[str]) -> list[str]:
         """Pin ``keys``; returns those that had no pin before. One loop for a whole put
         (a prefill step pins hundreds of keys): no call per key."""
-        refs, idle, blocks = self._refs, self._idle, self._blocks
+        refs, idle = self._refs, self._idle
         first = []
+        unidled = 0
         for key in keys:
             count = refs.get(key, 0)
             refs[key] = count + 1
             if count == 0:
                 first.append(key)
                 if idle.pop(key, 0) is None:
-                    self._idle_bytes -= blocks[key].nbytes
+                    unidled += 1
+        self._idle_bytes -= unidled * self.layout.block_nbytes  # every block is whole
         return first
 
     def _release(self, keys: Iterable[str]) -> list[str]:
         """Unpin ``keys``; returns those that now have no pin (also when they had none)."""
-        refs, blocks = self._refs, self._blocks
+        refs, blocks, idle = self._refs, self._blocks, self._idle
         last = []
+        idled = 0
         for key in keys:
-            count = refs.get(key, 0)
+            # Counts never go negative: releasing an unheld key changes nothing.
+            count = refs.pop(key, 0)
             if count > 1:
                 refs[key] = count - 1
                 continue
-            # Counts never go negative: releasing an unheld key changes nothing.
-            refs.pop(key, None)
             last.append(key)
             if count == 1 and key in blocks:
-                self._make_idle(key)
+                idle[key] = None  # pinned until now, so not idle before
+                idled += 1
+        self._idle_bytes += idled * self.layout.block_nbytes
         return last
-
-    def _make_idle(self, key: str) -> None:
-        self._idle[key] = None
-        self._idle_bytes += self._blocks[key].nbytes
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         with self._lock:
