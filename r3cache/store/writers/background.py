@@ -169,13 +169,14 @@ class BackgroundBlockStore:
         try:
             self._queue.put(_STOP, timeout=self.max_wait)
             stop = 1
-            stalled = not wait_while_progressing(lambda: not self._thread.is_alive(),
+            stalled = not wait_while_progressing(self._thread,
                                                  lambda: self._queue.unfinished_tasks,
                                                  self.max_wait)
         except queue.Full:  # the writer took nothing for max_wait; it stops once it
             stop, stalled = 0, True  # finds the queue empty
         if stalled:
-            pending = self._queue.unfinished_tasks - stop
+            # Its stop, when queued, is the last unfinished task (0 once it was taken).
+            pending = max(self._queue.unfinished_tasks - stop, 0)
             message = (f"namespace {self.namespace!r}: the writer made no progress for "
                        f"{self.max_wait:g} s while closing (store down or stalled?): "
                        + (f"{pending} batch(es) not written yet" if pending else

@@ -4,6 +4,7 @@ waits at most a deadline, and waits on a draining writer that give up once it st
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,18 +39,17 @@ class BoundedCalls:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def wait_while_progressing(done: Callable[[], bool], progress: Callable[[], Any],
+def wait_while_progressing(thread: threading.Thread, progress: Callable[[], Any],
                            patience: float, poll: float = 0.01) -> bool:
-    """Wait until ``done()``; False once ``progress()`` has not changed for ``patience``
-    seconds. A writer draining a long backlog into a healthy store is waited for; one
-    stuck on a stalled store is given up on after one ``store_wait``."""
+    """Wait for ``thread`` to end; False once ``progress()`` has not changed for
+    ``patience`` seconds. A writer draining a long backlog into a healthy store is waited
+    for; one stuck on a stalled store is given up on after one ``store_wait``."""
     seen, since = progress(), time.monotonic()
-    while not done():
-        now = time.monotonic()
+    while thread.is_alive():
         current = progress()
         if current != seen:
-            seen, since = current, now
-        elif now - since >= patience:
+            seen, since = current, time.monotonic()
+        elif time.monotonic() - since >= patience:
             return False
-        time.sleep(min(poll, max(since + patience - now, 0)))
+        thread.join(poll)  # returns as soon as the thread ends
     return True
