@@ -153,6 +153,7 @@ class SimConfig:
     verify_manifests: bool = True
     max_steps: int = 200_000
     seed: int = 0
+    forward_seconds: float = 0.0  # slept per step where the model runs: an engine's pace
 
 
 @dataclass
@@ -316,6 +317,8 @@ class Engine:
             spent = time.perf_counter() - began
             if plan:
                 batch, rows, truth = self._execute(plan)  # the model: not connector time
+                if self.config.forward_seconds:
+                    time.sleep(self.config.forward_seconds)
                 began = time.perf_counter()
                 pending = self.worker.prepare_output(batch, routed_experts=rows)
                 pending.enqueue_cpu_copy(truth.sampled, truth.rejected)

@@ -133,3 +133,27 @@ def test_a_stalled_writer_makes_put_fail_after_max_wait_not_hang():
     inner.gate.set()
     store.close()
     assert inner.stats().blocks_written == 2
+
+
+def test_after_a_put_gave_up_later_puts_fail_at_once_until_the_writer_moves():
+    """One stall costs one max_wait: under "incomplete" the engine's next steps drop their
+    batches at once instead of each waiting; once the writer takes a batch, puts wait
+    (and succeed) as before."""
+    inner = GatedStore(LAYOUT, "t")
+    store = BackgroundBlockStore(inner, max_pending=1, max_wait=0.5,
+                                 on_unavailable="incomplete")
+    store.put({"a": blk(1)})  # taken by the writer, which stalls
+    store.put({"b": blk(2)})  # queued
+    began = time.perf_counter()
+    store.put({"c": blk(3)})  # waits max_wait, then dropped
+    assert time.perf_counter() - began >= 0.45 and store.dropped_batches == 1
+    began = time.perf_counter()
+    for value in range(4, 9):
+        store.put({f"k{value}": blk(value)})
+    assert time.perf_counter() - began < 0.2 and store.dropped_batches == 6
+    inner.gate.set()
+    store.flush()  # the writer moves again: puts wait for room as before
+    store.put({"d": blk(4)})
+    store.flush()
+    assert inner.stats().blocks_written == 3 and store.dropped_batches == 6
+    store.close()

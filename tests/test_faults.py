@@ -202,7 +202,8 @@ STALLS = {
 
 
 def _stalled_run(server, policy: str, stall: str):
-    """A simulator run while Redis stalls or goes down 0.1 s in, for about 3 s."""
+    """A simulator run at 6 ms a step (about 4.5 s) while Redis stalls or goes down 0.1 s
+    in, for about 3 s."""
     from r3cache import WorkerConnector
     from r3cache.sim import Engine
 
@@ -225,7 +226,7 @@ def _stalled_run(server, policy: str, stall: str):
     threading.Thread(target=fault, daemon=True).start()
     engine = Engine(LAYOUT, worker, SimConfig(max_num_seqs=4, max_num_batched_tokens=64,
                                               keep_manifests=True, verify_manifests=False,
-                                              seed=3))
+                                              seed=3, forward_seconds=0.006))
     return engine, worker, workload
 
 
@@ -273,6 +274,11 @@ def test_a_stalled_redis_marks_requests_incomplete_and_the_run_goes_on(stall, tm
     assert all(f.startswith("store still pins") for f in report.failures)
     assert report.rows_verified == sum(len(r.tokens) - 1 for r in workload)
     assert max(report.step_seconds) < 1.0  # no step waited beyond the bound (0.3 s)
+    # A paused or sleeping Redis costs about one store_wait: once a put gave up, the next
+    # drop their batches at once until the writer moves again (a put a step waiting 0.3 s
+    # made 5 such steps). Down, the writer moves: each write fails fast on its own.
+    waited = sum(s >= 0.2 for s in report.step_seconds)
+    assert stall == "down" or waited <= 3, waited
     dropped = worker.store.remote.dropped_batches
     time.sleep(3.2)  # the stall ends
     worker.close()
@@ -288,10 +294,12 @@ def test_a_stalled_redis_marks_requests_incomplete_and_the_run_goes_on(stall, tm
             complete += 1
     assert dropped > 0 and incomplete > 0 and complete + incomplete == len(workload)
     reliability(f"Redis {stall} (3 s), policy incomplete", "simulator, 24 requests",
-                "run completes; no store call waits over 0.3 s (a step makes two); read-back "
+                "run completes at its pace; no store call waits over 0.3 s, and after one "
+                "has, the next drop their batch at once until the writer moves; read-back "
                 "exact or a typed error",
                 f"{dropped} batches dropped; {complete} requests exact, {incomplete} "
-                f"incomplete (typed), 0 wrong; slowest step {max(report.step_seconds):.2f} s")
+                f"incomplete (typed), 0 wrong; slowest step {max(report.step_seconds):.2f} s, "
+                f"{waited} step(s) over 0.2 s of {len(report.step_seconds)}")
     server.stop()
 
 
@@ -377,3 +385,54 @@ def test_closing_on_a_stalled_redis_is_bounded_and_the_holds_still_go(writer, la
                 "1 request holding 2 blocks", "close() raises a typed error within "
                 "store_wait (0.5 s); the holds go once Redis answers",
                 f"close() answered after {took:.2f} s; no hold left")
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_stall_costs_the_engine_one_store_wait_not_one_per_call(writer, layout):
+    """Redis stalls under a running engine: the step whose batch finds the writer full
+    waits store_wait and raises; later calls, close() included, answer at once until the
+    writer moves again, instead of a store_wait each (close() made two)."""
+    from r3cache import StepBatch, StepMetadata, WorkerConnector
+    from r3cache.errors import StoreUnavailableError
+    from r3cache.hashing import block_hashes
+    from r3cache.sim import oracle_rows
+
+    store_wait = 1.0
+    with RedisServer() as server:
+        store = open_store(server.url, layout=layout, namespace=f"one-wait-{writer}",
+                           idle_ttl=120)
+        worker = WorkerConnector(layout=layout, store=store, writer=writer, max_num_seqs=2,
+                                 store_wait=store_wait)
+
+        def step(n: int) -> None:  # request n: two new whole blocks; request n - 1 ends
+            tokens = [n * 16 + t for t in range(9)]
+            worker.begin_step(StepMetadata(0, {f"r{n}": 0},
+                                           {f"r{n}": block_hashes(tokens, 4)[:2]},
+                                           [f"r{n - 1}"] if n else ()))
+            pending = worker.prepare_output(
+                StepBatch([f"r{n}"], np.array([0]), np.array([0, 8])),
+                routed_experts=oracle_rows(tokens, layout)[:8])
+            pending.enqueue_cpu_copy([1], [0])
+            worker.process_output(pending)
+
+        step(0)
+        worker.store.flush()
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailableError):
+                for n in range(1, 50_000):  # until the writer's queue (or socket) is full
+                    step(n)
+            first = time.monotonic() - began
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailableError):
+                step(n + 1)
+            again = time.monotonic() - began
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailableError):
+                worker.close()
+            closing = time.monotonic() - began
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+    assert first >= store_wait * 0.9  # the first refusal waited its store_wait ...
+    assert again < 0.3 * store_wait and closing < 0.3 * store_wait  # ... and only that one

@@ -14,7 +14,7 @@ from r3cache.errors import ContractError, StoreClosedError, StoreUnavailableErro
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import BlockStore, StoreStats, check_put
-from r3cache.store.writers.bounded import BoundedCalls, wait_while_progressing
+from r3cache.store.writers.bounded import BoundedCalls, Stall, wait_while_progressing
 
 DEFAULT_MAX_PENDING = 512
 # What an unavailable store does to the engine: "raise" a typed error at the next call,
@@ -30,7 +30,8 @@ class BackgroundBlockStore:
 
     ``put`` only enqueues; when the queue is full it waits at most ``max_wait``
     seconds, then raises StoreUnavailableError (the engine never stalls for good
-    on a dead store). Operations are
+    on a dead store), and until the writer takes a batch again later waits give up
+    at once (one stall costs one wait). Operations are
     applied in order, so a read after a ``put`` sees it: reads drain the queue
     first. The first failure is sticky: every later call raises WriterError whose
     ``__cause__`` is the original error, and nothing after it is applied.
@@ -52,6 +53,8 @@ class BackgroundBlockStore:
         self._error: BaseException | None = None
         self._close_error: BaseException | None = None  # from the inner store's close
         self._closed = False
+        self._taken = 0  # batches the writer has taken: its progress
+        self._stall = Stall(lambda: self._taken)
         self._thread = threading.Thread(
             target=self._run, name=f"r3cache-writer-{inner.namespace}", daemon=True
         )
@@ -79,8 +82,9 @@ class BackgroundBlockStore:
                 pass  # the writer is behind: wait for it, at most max_wait
             began = time.monotonic()
             try:
-                self._queue.put(item, timeout=self.max_wait)
+                self._queue.put(item, timeout=self._stall.put_wait(self.max_wait))
             except queue.Full:
+                self._stall.gave_up()
                 if self.on_unavailable == "incomplete":
                     # The requests of this batch are incomplete: their read-back fails
                     # with ManifestNotFoundError or BlockNotFoundError, never wrong rows.
@@ -166,12 +170,13 @@ class BackgroundBlockStore:
             return
         self._closed = True
         self._reads.close()
-        try:
-            self._queue.put(_STOP, timeout=self.max_wait)
+        try:  # each first wait is short while the writer has not moved since a put gave up
+            self._queue.put(_STOP, timeout=self._stall.close_wait(self.max_wait))
             stop = 1
             stalled = not wait_while_progressing(self._thread,
                                                  lambda: self._queue.unfinished_tasks,
-                                                 self.max_wait)
+                                                 self.max_wait,
+                                                 self._stall.close_wait(self.max_wait))
         except queue.Full:  # the writer took nothing for max_wait; it stops once it
             stop, stalled = 0, True  # finds the queue empty
         if stalled:
@@ -200,6 +205,7 @@ class BackgroundBlockStore:
                     if self._closed:
                         return  # close() could not queue its stop: nothing more comes
                     continue
+                self._taken += 1  # only this thread writes it
                 try:
                     if item is _STOP:
                         return

@@ -1,5 +1,6 @@
 """Bounded waits on writers: store calls made on a helper thread (BoundedCalls), so the engine
-waits at most a deadline, and waits on a draining writer that give up once it stalls."""
+waits at most a deadline; waits on a draining writer that give up once it stalls; and the
+memory of a stall (Stall), so one stalled writer costs the engine one wait, not one a call."""
 
 from __future__ import annotations
 
@@ -40,16 +41,58 @@ class BoundedCalls:
 
 
 def wait_while_progressing(thread: threading.Thread, progress: Callable[[], Any],
-                           patience: float, poll: float = 0.01) -> bool:
+                           patience: float, first: float | None = None,
+                           poll: float = 0.01) -> bool:
     """Wait for ``thread`` to end; False once ``progress()`` has not changed for
-    ``patience`` seconds. A writer draining a long backlog into a healthy store is waited
-    for; one stuck on a stalled store is given up on after one ``store_wait``."""
+    ``patience`` seconds (``first`` for its first change). A writer draining a long
+    backlog into a healthy store is waited for; one stuck on a stalled store is given up
+    on after one ``store_wait``."""
     seen, since = progress(), time.monotonic()
+    wait = patience if first is None else first
     while thread.is_alive():
         current = progress()
         if current != seen:
-            seen, since = current, time.monotonic()
-        elif time.monotonic() - since >= patience:
+            seen, since, wait = current, time.monotonic(), patience
+        elif time.monotonic() - since >= wait:
             return False
         thread.join(poll)  # returns as soon as the thread ends
     return True
+
+
+class Stall:
+    """Own the memory that a writer was given up on, and whether it has moved since.
+
+    Once a wait on the writer ran out (it took nothing for ``store_wait``), the next puts
+    give up at once until ``progress()`` changes: a step under
+    ``on_unavailable="incomplete"`` then drops its batch without waiting, instead of the
+    engine crawling at one step per ``store_wait`` while Redis is down, and a close after
+    a refused put does not wait a second ``store_wait`` (it gives the writer ``RESUME``
+    seconds to show it moved again, as it does the moment Redis answers).
+    """
+
+    RESUME = 0.1
+
+    def __init__(self, progress: Callable[[], Any]) -> None:
+        self._progress = progress
+        self._since: Any = None  # progress() when the last wait ran out; None: none did
+
+    def stalled(self) -> bool:
+        """True while the writer has not moved since a wait on it ran out."""
+        if self._since is None:
+            return False
+        if self._since != self._progress():
+            self._since = None
+        return self._since is not None
+
+    def gave_up(self) -> None:
+        """A wait on the writer ran out."""
+        self._since = self._progress()
+
+    def put_wait(self, wait: float) -> float:
+        """How long a put waits for room: ``wait``, or 0 while stalled."""
+        return 0.0 if self.stalled() else wait
+
+    def close_wait(self, wait: float) -> float:
+        """How long a close waits for the writer's next move: ``wait``, or at most
+        ``RESUME`` while stalled."""
+        return min(wait, self.RESUME) if self.stalled() else wait

@@ -23,7 +23,7 @@ from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import StoreStats
-from r3cache.store.writers.bounded import BoundedCalls
+from r3cache.store.writers.bounded import BoundedCalls, Stall
 from r3cache.store.writers.ring import DEFAULT_RING_BYTES, BlockRing
 
 _POLL = 0.5  # seconds between the helper's checks that the engine process still lives
@@ -188,6 +188,8 @@ class ProcessWriter:
         self._closed = False
         self._flushes = 0
         self._next_check = 0.0
+        self._replies = self._fed = 0  # the helper's answers and the feeder's sends
+        self._stall = Stall(lambda: (self._replies, self._fed))
         reply = self._reply(timeout=60.0 + max_wait)
         if reply[0] != "ready":
             self._process.wait(10)
@@ -217,6 +219,7 @@ class ProcessWriter:
                     self._connection.send(message)
             except OSError:
                 return  # the helper is gone; _check reports it
+            self._fed += 1  # only this thread writes it
             if message[0] == "close":
                 return
 
@@ -230,7 +233,7 @@ class ProcessWriter:
         self._check()
         if not (objects or retain_keys or release_keys or manifests):
             return
-        deadline = time.monotonic() + self.max_wait
+        deadline = self._deadline()
         keys, rows = list(objects), list(objects.values())
         # A put larger than the ring goes as several; pins and manifests ride on the
         # last, so they still follow every block they name.
@@ -281,7 +284,13 @@ class ProcessWriter:
         if self._error:
             raise WriterError(self._error)
 
+    def _deadline(self) -> float:
+        """A put's deadline: now plus ``max_wait``, or now while the helper has not moved
+        since a wait ran out (one stall costs the engine one wait)."""
+        return time.monotonic() + self._stall.put_wait(self.max_wait)
+
     def _unavailable(self) -> None:
+        self._stall.gave_up()
         raise StoreUnavailableError(
             f"namespace {self.namespace!r}: the writer has not taken a batch for "
             f"{self.max_wait:g} s (Redis down or stalled?); this batch was not written")
@@ -364,8 +373,11 @@ class ProcessWriter:
         self._closed = True
         try:
             if self._process.poll() is None:
-                self._outbox.put(("close",), timeout=self.max_wait)
-                while self._reply(timeout=self.max_wait)[0] not in ("closed", "error"):
+                # Each wait is max_wait, or short while the helper has not moved since
+                # a put gave up on it; every answer is progress.
+                self._outbox.put(("close",), timeout=self._stall.close_wait(self.max_wait))
+                while self._reply(self._stall.close_wait(self.max_wait))[0] not in (
+                        "closed", "error"):
                     pass
                 self._process.wait(self.max_wait)
         except (queue.Full, StoreUnavailableError, subprocess.TimeoutExpired):
@@ -399,6 +411,7 @@ class ProcessWriter:
                 raise StoreUnavailableError(
                     f"the writer process for {self.namespace!r} did not answer")
             reply = self._connection.recv()
+            self._replies += 1
         except (EOFError, OSError):
             raise WriterError(f"the writer process for {self.namespace!r} exited "
                               f"(code {self._process.poll()})") from None
