@@ -452,5 +452,7 @@ def spawn_writer(store: Any, **kwargs: Any) -> ProcessWriter:
     (the helper registers as the same owner when the caller fixed one)."""
     url, options = store.reopen_args
     store.close()
-    return ProcessWriter(url, store.layout, store.namespace, options, **kwargs)
+    # The store ran the janitor as it opened, a moment ago: the helper's open need not.
+    return ProcessWriter(url, store.layout, store.namespace, {**options, "janitor": False},
+                         **kwargs)
 
