@@ -277,8 +277,9 @@ class ProcessWriter:
                 self.waits.observe(time.monotonic() - began)
 
     def _await_reply(self, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0 or not self._connection.poll(left):
+        # An answer already there counts even past the deadline: a helper that moved again
+        # since a put gave up shows it here.
+        if not self._connection.poll(max(deadline - time.monotonic(), 0)):
             self._unavailable()
         self._reply(timeout=0)
         if self._error:
