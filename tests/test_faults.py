@@ -388,7 +388,8 @@ def test_closing_on_a_stalled_redis_is_bounded_and_the_holds_still_go(writer, la
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
-def test_a_stall_costs_the_engine_one_store_wait_not_one_per_call(writer, layout):
+def test_a_stall_costs_the_engine_one_store_wait_not_one_per_call(writer, layout,
+                                                                  reliability):
     """Redis stalls under a running engine: the step whose batch finds the writer full
     waits store_wait and raises; later calls, close() included, answer at once until the
     writer moves again, instead of a store_wait each (close() made two)."""
@@ -436,3 +437,8 @@ def test_a_stall_costs_the_engine_one_store_wait_not_one_per_call(writer, layout
             server.process.send_signal(signal.SIGCONT)
     assert first >= store_wait * 0.9  # the first refusal waited its store_wait ...
     assert again < 0.3 * store_wait and closing < 0.3 * store_wait  # ... and only that one
+    reliability(f"Redis stalled (SIGSTOP) under a stepping engine, {writer} writer",
+                f"{n} steps of 2 new blocks until the writer is full", "the step that finds "
+                "it full raises after store_wait (1 s); the next step and close() at once",
+                f"refused after {first:.2f} s; next step {again:.3f} s; close() "
+                f"{closing:.3f} s")
