@@ -30,7 +30,7 @@ class BackgroundBlockStore:
 
     ``put`` only enqueues; when the queue is full it waits at most ``max_wait``
     seconds, then raises StoreUnavailableError (the engine never stalls for good
-    on a dead store), and until the writer takes a batch again later waits give up
+    on a dead store), and until the writer takes a batch again later puts give up
     at once (one stall costs one wait). Operations are
     applied in order, so a read after a ``put`` sees it: reads drain the queue
     first. The first failure is sticky: every later call raises WriterError whose

@@ -73,16 +73,12 @@ class Stall:
     RESUME = 0.1
 
     def __init__(self, progress: Callable[[], Any]) -> None:
-        self._progress = progress
+        self._progress = progress  # grows with every move: it never returns to a value
         self._since: Any = None  # progress() when the last wait ran out; None: none did
 
     def stalled(self) -> bool:
         """True while the writer has not moved since a wait on it ran out."""
-        if self._since is None:
-            return False
-        if self._since != self._progress():
-            self._since = None
-        return self._since is not None
+        return self._since is not None and self._since == self._progress()
 
     def gave_up(self) -> None:
         """A wait on the writer ran out."""
