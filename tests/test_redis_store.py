@@ -256,35 +256,20 @@ def test_the_janitor_runs_when_a_store_opens_and_as_r3cache_gc(url, namespace):
         store.close()
 
 
-def test_opening_stores_scan_for_holders_once_a_lease_unless_an_owner_died(namespace):
-    """A fleet starting at once walks the keyspace once (SCAN has no prefix index): an
-    open scans where the registry shows a dead owner or no open scanned within a lease."""
+def test_an_engine_start_walks_the_keyspace_once_not_again_in_its_helper(namespace):
+    """The janitor's search for holders SCANs the whole keyspace: the engine's store runs
+    it as it opens; the helper process, opened right after, does not run it again."""
+    from r3cache import WorkerConnector
+
     with RedisServer() as server:
         client = server.client()
-
-        def scans() -> int:
-            return client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)
-
-        first = open_store(server.url, layout=LAYOUT, namespace=namespace, lease_ttl=5)
-        assert scans() > 0
-        before = scans()
-        others = [open_store(server.url, layout=LAYOUT, namespace=namespace)
-                  for _ in range(3)]
-        assert scans() == before  # the fleet: no further walk of the keyspace
-        out = subprocess.run([sys.executable, "-c", CRASHING_OWNER, server.url, namespace],
-                             capture_output=True, text=True, timeout=60, check=True)
-        assert out.stdout.strip() == "held" and scans() == before
-        time.sleep(1.3)  # its lease ends: the next open reclaims it, scanning
-        late = open_store(server.url, layout=LAYOUT, namespace=namespace)
-        refs = late.keys.refs("k2")
-        assert scans() > before and client.hget(refs, "crashed") is None
-        client.hset(refs, "ghost", 1)  # a holder the registry does not know
-        client.delete(late.keys.scanned)  # as if evicted: the next open scans again
-        for store in (first, *others, late):
-            store.close()
-        open_store(server.url, layout=LAYOUT, namespace=namespace).close()
-        assert client.hget(late.keys.owners, "ghost").endswith(
-            b"unregistered holder found by the janitor")
+        store = open_store(server.url, layout=LAYOUT, namespace=namespace)
+        scans = client.info("commandstats")["cmdstat_scan"]["calls"]
+        worker = WorkerConnector(layout=LAYOUT, store=store, writer="process")
+        try:
+            assert client.info("commandstats")["cmdstat_scan"]["calls"] == scans
+        finally:
+            worker.close()
 
 
 def test_credentials_are_checked_and_never_shown(namespace, reliability):

@@ -105,25 +105,6 @@ def reclaim_dead_owners(store) -> JanitorReport:
                          tuple(unknown))
 
 
-def reclaim_at_open(store) -> JanitorReport:
-    """The pass a writing store runs as it opens: all of reclaim_dead_owners where the
-    registry shows a dead owner, or where no store of the namespace scanned for holders
-    within the last lease; otherwise the registry's sweep and expired manifests only.
-
-    The scan for holders walks the whole keyspace (SCAN has no prefix index): seconds
-    on a Redis of millions of keys, which a fleet starting at once would pay once per
-    engine. The marker only spares scans: when eviction removes it, a store scans again.
-    """
-    dead, live = _sweep(store)
-    marker = store.keys.scanned
-    first = store.call(marker, "SET", marker, store.owner, "NX", "PX",
-                       int(store.options.lease_ttl * 1000))
-    if dead or first:
-        return reclaim_dead_owners(store)
-    expired, unreadable = expire_manifests(store)
-    return JanitorReport(tuple(live), (), 0, expired, tuple(unreadable))
-
-
 def expire_manifests(store, held: dict[str, list[bytes]] | None = None
                      ) -> tuple[int, list[str]]:
     """Release manifests past their expiry (the trainer never released them).

@@ -11,8 +11,6 @@
 ``r3:{ns}:manifests``              sorted set: request id scored by its manifest's expiry time
 ``r3:{ns}:unreadable``             hash: request id -> why its expired manifest could not be
                                    parsed (the janitor released it all the same)
-``r3:{ns}:scanned``                string, TTL one lease: a store that opened scanned the
-                                   namespace for holders (the next opens need not)
 
 The block hash sits in braces, a Redis Cluster hash tag, so a block and its
 reference counts share one slot and one Lua call can change both atomically.
@@ -57,7 +55,6 @@ class KeySchema:
         self.manifests_pattern = (base + "m:*").encode()
         self.manifest_index = (base + "manifests").encode()
         self.unreadable = (base + "unreadable").encode()
-        self.scanned = (base + "scanned").encode()
         self._manifest = (base + "m:{").encode()
         self.blocks_pattern = (base + "b:*").encode()
         self._block = (base + "b:{").encode()

@@ -164,9 +164,9 @@ class RedisBlockStore:
                     client.script_load(script.source)
             self._open_namespace()
             if options.janitor:
-                from r3cache.store.redis.janitor import reclaim_at_open
+                from r3cache.store.redis.janitor import reclaim_dead_owners
 
-                reclaim_at_open(self)
+                reclaim_dead_owners(self)
             if options.lease:
                 self._lease = _Lease(self)
 
