@@ -30,8 +30,8 @@ class BackgroundBlockStore:
 
     ``put`` only enqueues; when the queue is full it waits at most ``max_wait``
     seconds, then raises StoreUnavailableError (the engine never stalls for good
-    on a dead store), and until the writer takes a batch again later puts give up
-    at once (one stall costs one wait). Operations are
+    on a dead store), and until the writer takes a batch again later puts wait only
+    ``Stall.PUT_GRACE`` (one stall costs one wait). Operations are
     applied in order, so a read after a ``put`` sees it: reads drain the queue
     first. The first failure is sticky: every later call raises WriterError whose
     ``__cause__`` is the original error, and nothing after it is applied.
@@ -170,7 +170,7 @@ class BackgroundBlockStore:
             return
         self._closed = True
         self._reads.close()
-        try:  # each first wait is short while the writer has not moved since a put gave up
+        try:  # each first wait is short while the writer has not moved since a wait ran out
             self._queue.put(_STOP, timeout=self._stall.close_wait(self.max_wait))
             stop = 1
             stalled = not wait_while_progressing(self._thread,

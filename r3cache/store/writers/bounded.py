@@ -62,15 +62,16 @@ def wait_while_progressing(thread: threading.Thread, progress: Callable[[], Any]
 class Stall:
     """Own the memory that a writer was given up on, and whether it has moved since.
 
-    Once a wait on the writer ran out (it took nothing for ``store_wait``), the next puts
-    give up at once until ``progress()`` changes: a step under
-    ``on_unavailable="incomplete"`` then drops its batch without waiting, instead of the
-    engine crawling at one step per ``store_wait`` while Redis is down, and a close after
-    a refused put does not wait a second ``store_wait`` (it gives the writer ``RESUME``
-    seconds to show it moved again, as it does the moment Redis answers).
+    Once a wait on the writer ran out (it took nothing for ``store_wait``), later waits
+    give it only a grace to move until ``progress()`` changes (as it does within
+    milliseconds of Redis answering again): a step under ``on_unavailable="incomplete"``
+    then drops its batch at once instead of the engine crawling at one step per
+    ``store_wait`` while Redis is down, and a close after a refused put does not wait a
+    second ``store_wait``. A put's grace is paid every step of an outage, a close's once.
     """
 
-    RESUME = 0.1
+    PUT_GRACE = 0.01
+    CLOSE_GRACE = 0.1
 
     def __init__(self, progress: Callable[[], Any]) -> None:
         self._progress = progress  # grows with every move: it never returns to a value
@@ -85,10 +86,10 @@ class Stall:
         self._since = self._progress()
 
     def put_wait(self, wait: float) -> float:
-        """How long a put waits for room: ``wait``, or 0 while stalled."""
-        return 0.0 if self.stalled() else wait
+        """How long a put waits for room: ``wait``, or ``PUT_GRACE`` while stalled."""
+        return min(wait, self.PUT_GRACE) if self.stalled() else wait
 
     def close_wait(self, wait: float) -> float:
-        """How long a close waits for the writer's next move: ``wait``, or at most
-        ``RESUME`` while stalled."""
-        return min(wait, self.RESUME) if self.stalled() else wait
+        """How long a close waits for the writer's next move: ``wait``, or ``CLOSE_GRACE``
+        while stalled."""
+        return min(wait, self.CLOSE_GRACE) if self.stalled() else wait

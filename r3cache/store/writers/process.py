@@ -286,8 +286,8 @@ class ProcessWriter:
             raise WriterError(self._error)
 
     def _deadline(self) -> float:
-        """A put's deadline: now plus ``max_wait``, or now while the helper has not moved
-        since a wait ran out (one stall costs the engine one wait)."""
+        """A put's deadline: now plus ``max_wait``, or plus ``Stall.PUT_GRACE`` while the
+        helper has not moved since a wait ran out (one stall costs the engine one wait)."""
         return time.monotonic() + self._stall.put_wait(self.max_wait)
 
     def _unavailable(self) -> None:
@@ -375,7 +375,7 @@ class ProcessWriter:
         try:
             if self._process.poll() is None:
                 # Each wait is max_wait, or short while the helper has not moved since
-                # a put gave up on it; every answer is progress.
+                # a wait on it ran out; every answer is progress.
                 self._outbox.put(("close",), timeout=self._stall.close_wait(self.max_wait))
                 while self._reply(self._stall.close_wait(self.max_wait))[0] not in (
                         "closed", "error"):
