@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from itertools import filterfalse, islice
 
 import numpy as np
 
@@ -97,27 +98,28 @@ class MemoryBlockStore:
             return len(found)
 
     def _reserve(self, nbytes: int, retain_keys: Collection[str]) -> None:
-        """Evict idle blocks until ``nbytes`` fit, or raise before changing anything."""
-        retained = {k for k in retain_keys if k in self._idle}
-        evictable = self._idle_bytes - sum(self._blocks[k].nbytes for k in retained)
+        """Evict idle blocks until ``nbytes`` fit, or raise before changing anything.
+
+        A full store evicts a block for each it stores (a prefill step's hundreds): the
+        victims are picked and removed by C iteration, the counts updated once.
+        """
+        size = self.layout.block_nbytes  # check_blocks: every block is whole
+        idle = self._idle
+        retained = {k for k in retain_keys if k in idle}
+        evictable = self._idle_bytes - len(retained) * size
         if self._used - evictable + nbytes > self.max_bytes:
             raise StoreFullError(
                 f"namespace {self.namespace!r}: {nbytes} new bytes do not fit in "
                 f"{self.max_bytes} with {self._used - evictable} bytes pinned; nothing was written"
             )
-        skipped = []
-        while self._used + nbytes > self.max_bytes:
-            key, _ = self._idle.popitem(last=False)
-            if key in retained:
-                skipped.append(key)
-                continue
-            size = self._blocks.pop(key).nbytes
-            self._used -= size
-            self._idle_bytes -= size
-            self._evictions += 1
-        for key in reversed(skipped):  # about to be pinned by this batch: not evicted
-            self._idle[key] = None
-            self._idle.move_to_end(key, last=False)
+        count = -(-(self._used + nbytes - self.max_bytes) // size)
+        # Oldest release first; blocks this batch is about to pin keep their place.
+        victims = list(islice(filterfalse(retained.__contains__, idle), count))
+        deque(map(idle.__delitem__, victims), maxlen=0)
+        deque(map(self._blocks.__delitem__, victims), maxlen=0)
+        self._used -= count * size
+        self._idle_bytes -= count * size
+        self._evictions += count
 
     def _insert(self, new: dict[str, np.ndarray]) -> None:
         """Store copies of checked whole blocks (a prefill step brings hundreds): one loop,
