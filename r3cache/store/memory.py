@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from itertools import filterfalse, islice
+from itertools import filterfalse, islice, repeat
 
 import numpy as np
 
@@ -57,15 +57,21 @@ class MemoryBlockStore:
         check_put(self.layout, objects, retain_keys, release_keys, manifests)
         with self._lock:
             self._check_open()
-            new = {k: v for k, v in objects.items() if k not in self._blocks}
+            blocks = self._blocks
+            # A step's blocks are new to the store: one C pass tells, no filtered copy.
+            if blocks.keys().isdisjoint(objects):
+                new, held = objects, ()
+            else:
+                new = {k: v for k, v in objects.items() if k not in blocks}
+                held = objects.keys() - new.keys()
             nbytes = len(new) * self.layout.block_nbytes
             if self._used + nbytes > self.max_bytes:  # checked above: raises, or evicts
                 # Blocks the put names stay: it pins them, or compares them as duplicates.
-                self._reserve(nbytes, [*retain_keys, *objects.keys() - new.keys(),
+                self._reserve(nbytes, [*retain_keys, *held,
                                        *(k for m in manifests for k in m.block_keys)])
             first = self._retain(retain_keys)
             self._insert(new)
-            for key in objects.keys() - new.keys():
+            for key in held:
                 if np.array_equal(self._blocks[key], objects[key]):
                     self._duplicates += 1
                 else:
@@ -121,20 +127,19 @@ class MemoryBlockStore:
         self._idle_bytes -= count * size
         self._evictions += count
 
-    def _insert(self, new: dict[str, np.ndarray]) -> None:
-        """Store copies of checked whole blocks (a prefill step brings hundreds): one loop,
-        the byte counts added once."""
+    def _insert(self, new: Mapping[str, np.ndarray]) -> None:
+        """Store copies of checked whole blocks (a prefill step brings hundreds), by C
+        iteration: the copies, the stores and the idle entries each one pass."""
         blocks, refs, idle = self._blocks, self._refs, self._idle
-        idled = 0
-        for key, rows in new.items():
-            # Own the bytes: the caller may write into its array after put() returns.
-            blocks[key] = rows.copy()
-            if not refs.get(key):
-                idle[key] = None
-                idled += 1
+        # Own the bytes: the caller may write into its arrays after put() returns.
+        blocks.update(zip(new.keys(), map(np.ndarray.copy, new.values())))
+        # Unpinned new blocks are idle. None of them was stored, so none was idle before,
+        # and refs holds only counts above zero.
+        before = len(idle)
+        idle.update(zip(filterfalse(refs.__contains__, new.keys()), repeat(None)))
         nbytes = self.layout.block_nbytes  # check_blocks: every block is whole
         self._used += len(new) * nbytes
-        self._idle_bytes += idled * nbytes
+        self._idle_bytes += (len(idle) - before) * nbytes
         self._written += len(new)
 
     def _retain(self, keys: Iterable[str]) -> list[str]:
