@@ -22,12 +22,16 @@ identical rows. Scenarios (layout L=48, K=8, 128 experts, uint8, block 16):
   async2        decode with two steps in flight (the next step prepared before the
                 previous one is processed)
 
-vLLM's connector and r3cache's on the embedded store run in lock step: each takes step k
-in turn, the order reversed every step, so the two times of a step share the machine's
-state of that moment (this machine's speed drifts by tens of percent within minutes);
-vLLM's writer thread is waited for after each of its steps, untimed, so its copies do not
-land on r3cache's clock. A round's ratio is the median over steps of r3cache's step time
-against vLLM's on the same step; printed is the median over rounds and their range.
+vLLM's connector and r3cache's on the embedded store, written in place (the default:
+"memory") and behind a writer thread as vLLM's store is ("thread", writer="thread"), run
+in lock step: each takes step k in turn, the order reversed every step, so the times of a
+step share the machine's state of that moment (this machine's speed drifts by tens of
+percent within minutes). A writer thread (vLLM's, "thread"'s) is waited for after each of
+its connector's steps, untimed, as on a GPU where it works while the engine's thread waits
+on the device: its pins, stores and evictions do not land on any connector's clock (each
+connector copies its blocks on the engine's thread). A round's ratio is the median over
+steps of r3cache's step time against vLLM's on the same step; printed is the median over
+rounds and their range.
 Every store starts full of idle blocks, as on a server that has run a while, unless
 --empty. vLLM's per-step torch work slows 2-10x when a second core is busy, so set
 OMP_NUM_THREADS=1 (the script sets torch's threads to 1 as well). --redis adds the
@@ -58,6 +62,7 @@ from r3cache.integrations import engine
 from r3cache.integrations.vllm import R3ConnectorMetadata, VllmWorkerConnector, _VllmCapture
 from r3cache.manifest import Completion
 from r3cache.sim import oracle_rows
+from r3cache.store.writers.background import BackgroundBlockStore
 
 LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
 MAX_TOKENS = 8192
@@ -264,7 +269,7 @@ def vllm_connector(capturer, depth: int, max_num_seqs: int):
 
 
 def r3cache_connector(capturer, depth: int, max_num_seqs: int, url: str,
-                      namespace: str = "bench-vs-vllm"):
+                      namespace: str = "bench-vs-vllm", writer: str = "auto"):
     """r3cache's WorkerConnector as the vLLM plugin builds it, behind its adapter: on the
     embedded store it records no manifests (no trainer could read them), as the plugin."""
     embedded = engine.embedded(url)
@@ -273,7 +278,8 @@ def r3cache_connector(capturer, depth: int, max_num_seqs: int, url: str,
     return VllmWorkerConnector(WorkerConnector(
         layout=LAYOUT, store=store, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=MAX_TOKENS, max_concurrent_batches=depth,
-        capturer=_VllmCapture(capturer, LAYOUT, MAX_TOKENS), record_manifests=not embedded))
+        capturer=_VllmCapture(capturer, LAYOUT, MAX_TOKENS), record_manifests=not embedded,
+        writer=writer))
 
 
 def fill(connector) -> None:
@@ -285,7 +291,8 @@ def fill(connector) -> None:
     n = STORE_BYTES // LAYOUT.block_nbytes
     if isinstance(connector, VllmWorkerConnector):
         store = connector.worker.store
-        store = getattr(store, "local", store)  # the Redis stores' in-process tier
+        # The Redis stores' in-process tier; the embedded store behind its writer thread.
+        store = getattr(store, "local", getattr(store, "inner", store))
         store.put(dict.fromkeys((f"fill-{i}" for i in range(n)),
                                 np.zeros(LAYOUT.block_shape, LAYOUT.dtype)))
     else:
@@ -302,6 +309,17 @@ def row_pool() -> torch.Tensor:
     return torch.from_numpy(oracle_rows(list(range(_POOL)), LAYOUT).astype(np.int32))
 
 
+def _writer_thread_join(connector) -> Callable[[], None] | None:
+    """How to wait for a connector's store writer thread, if it has one: vLLM's, and
+    r3cache's embedded store with writer="thread". Lock step waits for it after each of
+    its steps (untimed), so its work does not run on the other connector's clock; on a
+    GPU it overlaps the forward pass, while the engine's thread waits on the device."""
+    if isinstance(connector, VllmWorkerConnector):
+        store = connector.worker.store
+        return store.flush if type(store) is BackgroundBlockStore else None
+    return connector._store._queue.join
+
+
 class Driver:
     """Own one connector's run through a scenario: its capturer, its steps in flight and
     the seconds each measured step spent per phase."""
@@ -312,10 +330,7 @@ class Driver:
         self.connector = make(self.capturer, depth, 512)
         if full:
             fill(self.connector)
-        # vLLM's store is written by a thread of its own: lock step waits for it after each
-        # step (untimed), so its copies do not run on the other connector's clock.
-        store = getattr(self.connector, "_store", None)
-        self.settle = store._queue.join if hasattr(store, "_queue") else None
+        self.settle = _writer_thread_join(self.connector)
         self.depth, self.pool, self.outputs = depth, pool, outputs
         self.times: list[dict[str, float]] = []
         self.inflight: list[tuple[Step, object, dict]] = []
@@ -415,8 +430,8 @@ def main() -> None:
             remote += [("redis", servers.enter_context(RedisServer()).url),
                        ("cluster", servers.enter_context(RedisClusterProcesses()).url)]
 
-        def ours(url):
-            return lambda c, d, m: r3cache_connector(c, d, m, url)
+        def ours(url, writer="auto"):
+            return lambda c, d, m: r3cache_connector(c, d, m, url, writer=writer)
 
         for name in scenarios:
             # Identical rows first: every step's outputs, r3cache on memory:// and vLLM.
@@ -426,11 +441,13 @@ def main() -> None:
             assert theirs == mine, f"{name}: the connectors' outputs differ"
             # vLLM against the embedded store; then, apart from vLLM (their helpers keep
             # working through the other connectors' steps), the Redis stores against it.
-            groups = [[("vllm", vllm_connector), ("memory", ours("memory://"))]]
+            groups = [[("vllm", vllm_connector), ("memory", ours("memory://")),
+                       ("thread", ours("memory://", "thread"))]]
             if remote:
                 groups.append([("memory", ours("memory://"))]
                               + [(label, ours(url)) for label, url in remote])
             ratios: dict[str, list[float]] = {}
+            bases: dict[str, str] = {}
             phases: dict[str, list[dict[str, float]]] = {}
             for group in groups:
                 (base, _), *others = group
@@ -440,6 +457,7 @@ def main() -> None:
                         per_step = [sum(t.values()) / sum(b.values())
                                     for b, t in zip(times[base], times[label])]
                         ratios.setdefault(label, []).append(float(np.median(per_step)))
+                        bases[label] = base
                     # The embedded store's phases are those it ran beside vLLM.
                     for label, _ in group if base == "vllm" else others:
                         phases.setdefault(label, []).extend(times[label])
@@ -451,8 +469,8 @@ def main() -> None:
                     versus = ""
                 else:
                     r = ratios[label]
-                    versus = (f"{np.median(r):5.2f}x {'vLLM' if label == 'memory' else 'memory'}"
-                              f" ({min(r):.2f}-{max(r):.2f})")
+                    against = "vLLM" if bases[label] == "vllm" else bases[label]
+                    versus = f"{np.median(r):5.2f}x {against} ({min(r):.2f}-{max(r):.2f})"
                 print(f"{name:8s} {label:8s} {total:8.3f} ms {versus:26s} phases us "
                       f"{per_phase}", flush=True)
     print("rows: identical in every step of every scenario (outputs compared)")

@@ -77,16 +77,21 @@ def check_random_workload(store_url, writer, seed, block_size, spec, reject_prob
 @settings(max_examples=150, deadline=None, suppress_health_check=SLOW_OK)
 @given(**WORKLOAD)
 def test_random_workloads_get_exactly_their_oracle_rows(store_url, **drawn):
-    check_random_workload(store_url, "thread", **drawn)
+    # Redis behind a writer thread; the embedded store written in place (its default).
+    check_random_workload(store_url, "auto" if store_url == "memory://" else "thread",
+                          **drawn)
 
 
-@pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])
+@pytest.mark.parametrize("backend,writer", [("redis_url", "process"),
+                                            ("cluster_url", "process"), ("memory", "thread")])
 @settings(max_examples=15, deadline=None, suppress_health_check=SLOW_OK)
 @given(**WORKLOAD)
-def test_random_workloads_verify_with_the_helper_process_writer(request, backend, **drawn):
-    """The writer that meets the two-tier targets: a helper process fed by the ring, with
-    the in-process tier cleared mid-run in a quarter of the examples (reads go to Redis)."""
-    check_random_workload(request.getfixturevalue(backend), "process", **drawn)
+def test_random_workloads_verify_with_the_other_writers(request, backend, writer, **drawn):
+    """Redis behind the helper process fed by the ring, with the in-process tier cleared
+    mid-run in a quarter of the examples (reads go to Redis); the embedded store behind a
+    writer thread."""
+    url = "memory://" if backend == "memory" else request.getfixturevalue(backend)
+    check_random_workload(url, writer, **drawn)
 
 
 def test_a_grpo_workload_exercises_every_mechanism_and_verifies():

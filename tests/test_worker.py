@@ -11,6 +11,7 @@ from r3cache.connector import PackedHashes
 from r3cache.connector.metadata import StepMetadata, block_key, block_keys
 from r3cache.errors import (
     BlockNotFoundError,
+    ContractError,
     CursorError,
     GenerationError,
     InvalidBatchError,
@@ -19,6 +20,7 @@ from r3cache.errors import (
 )
 from r3cache.manifest import Completion
 from r3cache.store.memory import MemoryBlockStore
+from r3cache.store.writers.background import BackgroundBlockStore
 from tests.conftest import Harness
 
 TOKENS = list(range(100, 140))
@@ -362,6 +364,18 @@ def test_layout_mismatches_are_rejected(layout):
         with pytest.raises(LayoutMismatchError):
             h.worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 4])), rows)
     h.worker.close()
+
+
+def test_the_embedded_store_is_written_in_place_unless_a_writer_thread_is_asked_for(layout):
+    inplace = WorkerConnector(layout=layout, store=MemoryBlockStore(layout))
+    assert type(inplace.store) is MemoryBlockStore
+    threaded = WorkerConnector(layout=layout, store=MemoryBlockStore(layout), writer="thread")
+    assert isinstance(threaded.store, BackgroundBlockStore)
+    assert type(threaded.store.inner) is MemoryBlockStore
+    with pytest.raises(ContractError, match="embedded store"):
+        WorkerConnector(layout=layout, store=MemoryBlockStore(layout), writer="process")
+    inplace.close()
+    threaded.close()
 
 
 def test_a_prefix_hit_on_a_missing_block_fails_closed_naming_request_and_key(harness):

@@ -38,13 +38,17 @@ def theirs(pool) -> dict[str, list]:
     return out
 
 
-@pytest.mark.parametrize("backend", ["memory", "redis", "cluster"])
+@pytest.mark.parametrize("backend", ["memory", "memory-thread", "redis", "cluster"])
 @pytest.mark.parametrize("scenario", list(bench.SCENARIOS))
 def test_every_step_yields_the_rows_vllms_own_connector_yields(request, backend, scenario,
                                                                pool, theirs):
-    url = "memory://" if backend == "memory" else request.getfixturevalue(f"{backend}_url")
+    # The embedded store in place (its default) and behind a writer thread.
+    url = ("memory://" if backend.startswith("memory")
+           else request.getfixturevalue(f"{backend}_url"))
+    writer = "thread" if backend == "memory-thread" else "auto"
     ours: list = []
-    bench.run(lambda c, d, m: bench.r3cache_connector(c, d, m, url, f"{SESSION}-parity"),
+    bench.run(lambda c, d, m: bench.r3cache_connector(c, d, m, url, f"{SESSION}-parity",
+                                                      writer),
               scenario, STEPS, pool, ours)
     assert len(ours) == len(theirs[scenario]) > STEPS
     for step, (mine, vllms) in enumerate(zip(ours, theirs[scenario])):

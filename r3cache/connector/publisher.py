@@ -14,7 +14,6 @@ from r3cache.layout import RoutingLayout, repeats_an_expert
 from r3cache.manifest import BlockSpan, Completion, Manifest, check_request_id
 from r3cache.metrics import SOURCES
 from r3cache.store.base import BlockStore
-from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.writers import choose_writer
 from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import spawn_writer
@@ -33,7 +32,7 @@ class RequestPublisher:
 
     ``publish`` checks and copies the rows, then hands them to a helper process (Redis) or
     a writer thread, waiting at most ``store_wait`` seconds for room; the embedded store
-    is written in place.
+    is written in place unless ``writer="thread"``.
     """
 
     def __init__(
@@ -54,8 +53,8 @@ class RequestPublisher:
         if not isinstance(seed, str):
             raise ContractError(f"the hash seed must be a str, not {seed!r:.40}")
         writer = choose_writer(store, writer, on_unavailable)
-        if isinstance(store, MemoryBlockStore):
-            pass  # dict updates under the GIL: a writer would only hand it back and forth
+        if writer == "inline":
+            pass  # the embedded store, written in place (choose_writer says why)
         elif writer == "process":
             store = spawn_writer(store, max_pending=max_pending, max_wait=store_wait)
         else:

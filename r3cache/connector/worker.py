@@ -203,8 +203,8 @@ class WorkerConnector:
         self.capturer = capturer
         self._host_ring = capturer.host_ring(max_concurrent_batches) if capturer else None
         self.max_concurrent_batches = max_concurrent_batches
-        if isinstance(store, (BackgroundBlockStore, TieredBlockStore)):
-            pass  # already off the inference thread
+        if isinstance(store, (BackgroundBlockStore, TieredBlockStore)) or writer == "inline":
+            pass  # already off the inference thread, or the embedded store written in place
         elif not isinstance(store, MemoryBlockStore) and local_tier_bytes:
             # A durable store gets an in-process tier, so the engine's own prefix hits
             # never wait on the writer or the network. writer="process" moves encoding
@@ -214,10 +214,8 @@ class WorkerConnector:
                 store = spawn_writer(store, max_pending=2 * max_num_seqs, max_wait=store_wait)
             store = TieredBlockStore(local, store, max_pending=2 * max_num_seqs,
                                      max_wait=store_wait, on_unavailable=on_unavailable)
-        elif background and not isinstance(store, MemoryBlockStore):
-            # The embedded store is written in place: its puts are dict updates and copies
-            # under the GIL, which a writer thread only hands back and forth (measured:
-            # chunked prefill a third slower behind one, docs/BENCHMARKS.md).
+        elif background:
+            # A durable store without a tier, or the embedded store when writer="thread".
             store = BackgroundBlockStore(store, max_pending=2 * max_num_seqs,
                                          max_wait=store_wait, on_unavailable=on_unavailable)
         self.store = store
@@ -586,6 +584,7 @@ class WorkerConnector:
         if one_each and old == starts and min(num_sampled, default=0) > 0:
             # Decode: each request is owed the one row it ran, from where it emits; the
             # outputs are built in C calls (one view per request), no Python loop.
+            self._put(published)
             table.emit[slots] = end
             return dict(zip(ids, map(new, repeat(RequestOutput), zip(old, kept[:, None]))))
         # Per request in Python, one pass: the few hundred requests of a step cost less so
@@ -603,9 +602,16 @@ class WorkerConnector:
                                       (e, rows[firsts[i] + e - a : firsts[i] + kept[i]]))
             else:
                 later.append(i)  # owed rows from before this step's capture start
-        table.emit[slots] = emits
-        if later:
-            self._materialise(pending, later, old, ends, dict(made), published, outputs)
+        try:
+            if later:
+                self._materialise(pending, later, old, ends, dict(made), published, outputs)
+        finally:
+            # The step's blocks go to the store once its outputs are built (its own hits
+            # read them from `published`): behind a writer thread, the copies and pins run
+            # while the engine's thread has moved on. Emit cursors move once they are put:
+            # a refused put leaves the rows owed.
+            self._put(published)
+            table.emit[slots] = emits
         return outputs
 
     def _check_cursors(self, pending: PendingOutput, cursor, scheduled) -> None:
@@ -627,7 +633,7 @@ class WorkerConnector:
 
     def _capture(self, slots, start, end, row0, rows, req, offset, one_each=None
                  ) -> tuple[Iterable[tuple[tuple[int, int], np.ndarray]], dict[str, np.ndarray]]:
-        """Write the step's valid rows into tails; publish or park the blocks they complete.
+        """Write the step's valid rows into tails; key or park the blocks they complete.
 
         Vectorised over all rows of the step (``req``, ``offset``: each row's request and
         its place in the request's kept rows), or over requests where ``req`` is None: a few
@@ -707,11 +713,11 @@ class WorkerConnector:
 
     def _publish(self, block_slots, block_idx, blocks, fresh: int
                  ) -> tuple[Iterable[tuple[tuple[int, int], np.ndarray]], dict[str, np.ndarray]]:
-        """Put the keyed blocks, park the others until their hash arrives. Blocks from
-        ``fresh`` on are views (of the step's rows or of tails): a parked one is copied, so
-        it neither keeps the whole step alive nor changes with its tail. Returns the blocks
-        as ((slot, block index), rows) pairs, lazily (only prefix hits and chunked prefill
-        read them), and the keyed ones by key."""
+        """Key the blocks whose hash arrived (the caller puts them), park the others until
+        theirs does. Blocks from ``fresh`` on are views (of the step's rows or of tails): a
+        parked one is copied, so it neither keeps the whole step alive nor changes with its
+        tail. Returns the blocks as ((slot, block index), rows) pairs, lazily (only prefix
+        hits and chunked prefill read them), and the keyed ones by key."""
         table = self._table
         slots, index = block_slots.tolist(), block_idx.tolist()
         keyed = block_idx < table.nkeys[block_slots]
@@ -725,7 +731,6 @@ class WorkerConnector:
                     objects[table.keys[s][j]] = block
                 else:
                     table.unkeyed.setdefault(s, {})[j] = block if n < fresh else block.copy()
-        self._put(objects)
         return zip(zip(slots, index), blocks), objects
 
     def _materialise(self, pending, later, emit, end, own, published, outputs) -> None:

@@ -12,14 +12,27 @@ WRITERS = ("auto", "thread", "process")
 
 
 def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
-    """``thread`` or ``process``: the writer an engine puts ``store`` behind.
+    """``inline``, ``thread`` or ``process``: how an engine writes to ``store``.
 
-    ``auto`` is the helper process where it can serve: it is what keeps an engine's step
-    near the embedded store's cost with Redis behind it, but it knows only the "raise"
-    policy and needs a store it can reopen (Redis), so anything else gets the thread.
+    The embedded store (in this process) is written in place under ``auto``: its puts are
+    dict updates and copies under the GIL, which a writer thread hands back and forth
+    while the engine's thread is busy. ``thread`` puts it behind a writer thread, as vLLM's
+    own connector does, for an engine whose thread waits on the device through the
+    forward pass (docs/BENCHMARKS.md measures both). For a durable store ``auto`` is the
+    helper process where it can serve: it is what keeps an engine's step near the
+    embedded store's cost with Redis behind it, but it knows only the "raise" policy and
+    needs a store it can reopen (Redis), so anything else gets the thread.
     """
+    from r3cache.store.memory import MemoryBlockStore
+
     if writer not in WRITERS:
         raise ContractError(f"writer must be 'auto', 'thread' or 'process', not {writer!r}")
+    if isinstance(store, MemoryBlockStore):
+        if writer == "process":
+            raise ContractError("writer='process' cannot serve the embedded store (a helper "
+                                "process cannot reach this process's memory): use 'auto' "
+                                "or 'thread'")
+        return "thread" if writer == "thread" else "inline"
     if writer == "auto":
         reopenable = getattr(store, "reopen_args", None) is not None
         return "process" if reopenable and on_unavailable == "raise" else "thread"

@@ -14,6 +14,7 @@ from r3cache.errors import ContractError, StoreClosedError, StoreUnavailableErro
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import BlockStore, StoreStats, check_put
+from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.writers.bounded import BoundedCalls, Stall, wait_while_progressing
 
 DEFAULT_MAX_PENDING = 512
@@ -59,7 +60,10 @@ class BackgroundBlockStore:
             target=self._run, name=f"r3cache-writer-{inner.namespace}", daemon=True
         )
         self._thread.start()
-        self._reads = BoundedCalls(f"r3cache-read-{inner.namespace}")
+        # The embedded store answers from memory, never waiting on a network: its reads
+        # need no helper thread to bound them.
+        self._reads = (None if type(inner) is MemoryBlockStore
+                       else BoundedCalls(f"r3cache-read-{inner.namespace}"))
 
     def put(
         self,
@@ -116,17 +120,20 @@ class BackgroundBlockStore:
         return self.inner.release_manifests(request_ids)
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
-        deadline = time.monotonic() + self.max_wait
-        self.flush(deadline)
-        return self._reads.run(deadline, f"namespace {self.namespace!r}: reading blocks",
-                               self.inner.get_concatenated, keys)
+        return self._read(self.inner.get_concatenated, keys)
 
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
         """Blocks into ``targets``, all within ``max_wait`` seconds, flush included."""
+        self._read(self.inner.read_into, keys, targets)
+
+    def _read(self, call, *args):
+        """``call(*args)`` on the inner store after every earlier put, within ``max_wait``."""
         deadline = time.monotonic() + self.max_wait
         self.flush(deadline)
-        self._reads.run(deadline, f"namespace {self.namespace!r}: reading blocks",
-                        self.inner.read_into, keys, targets)
+        if self._reads is None:
+            return call(*args)
+        return self._reads.run(deadline, f"namespace {self.namespace!r}: reading blocks",
+                               call, *args)
 
     def flush(self, deadline: float | None = None) -> None:
         """Wait for every earlier put, at most ``max_wait`` seconds or until ``deadline``
@@ -169,7 +176,8 @@ class BackgroundBlockStore:
         if self._closed:
             return
         self._closed = True
-        self._reads.close()
+        if self._reads is not None:
+            self._reads.close()
         try:  # each first wait is short while the writer has not moved since a wait ran out
             self._queue.put(_STOP, timeout=self._stall.close_wait(self.max_wait))
             stop = 1
