@@ -28,8 +28,9 @@ in lock step: each takes step k in turn, the order reversed every step, so the t
 step share the machine's state of that moment (this machine's speed drifts by tens of
 percent within minutes). A writer thread (vLLM's, "thread"'s) is waited for after each of
 its connector's steps, untimed, as on a GPU where it works while the engine's thread waits
-on the device: its pins, stores and evictions do not land on any connector's clock (each
-connector copies its blocks on the engine's thread). A round's ratio is the median over
+on the device: it never works on another connector's clock, and on its own only through
+the calls after a put (each connector copies its blocks on the engine's thread, and both
+put a step's blocks at the end of process_output). A round's ratio is the median over
 steps of r3cache's step time against vLLM's on the same step; printed is the median over
 rounds and their range.
 Every store starts full of idle blocks, as on a server that has run a while, unless
