@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from r3cache.errors import ContractError
+from r3cache.store.memory import MemoryBlockStore
 
 WRITERS = ("auto", "thread", "process")
 
@@ -23,8 +24,6 @@ def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
     embedded store's cost with Redis behind it, but it knows only the "raise" policy and
     needs a store it can reopen (Redis), so anything else gets the thread.
     """
-    from r3cache.store.memory import MemoryBlockStore
-
     if writer not in WRITERS:
         raise ContractError(f"writer must be 'auto', 'thread' or 'process', not {writer!r}")
     if isinstance(store, MemoryBlockStore):
