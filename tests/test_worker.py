@@ -136,6 +136,28 @@ def test_finished_request_teardown_waits_for_in_flight_steps(async_harness):
     np.testing.assert_array_equal(h.store.get_concatenated(keys[:2]), h.rows("r", 0, 8))
 
 
+def test_keys_a_request_received_are_pinned_before_any_later_put_evicts(layout):
+    # The store holds three blocks: the two a consumer will hit, then an idle newer one.
+    h = Harness(layout, max_concurrent_batches=2, max_bytes=3 * layout.block_nbytes)
+    h.add("q", TOKENS[20:28])
+    h.add("c", OTHER[:12])
+    hits = h.keys("c", 0, 2)
+    h.store.put({k: h.rows("c", 4 * i, 4 * i + 4) for i, k in enumerate(hits)})
+    h.store.put({"newer": h.rows("q", 4, 8)})
+    h.begin({"q": 0}, {"q": h.hashes("q", 0, 1)})
+    first = h.prepare([("q", 0, 4)])  # completes q's first block
+    first.enqueue_cpu_copy([1], [0])
+    # The next step registers the consumer before the first one is processed: its put
+    # must evict the newer idle block, not the oldest ones the consumer now holds.
+    h.begin({"c": 0}, {"c": h.hashes("c", 0, 3)})
+    h.worker.process_output(first)
+    assert [h.refcount(k) for k in hits] == [1, 1]
+    assert h.store.stats().evictions == 1
+    h.begin(finished=["q"])  # its block goes idle: room for the consumer's own
+    assert_output(h.step([("c", 8, 4)], sampled=[1])["c"], h, "c", 0, 12)
+    h.worker.close()
+
+
 def test_a_full_block_waits_for_its_hash_in_a_hash_only_update(harness):
     h = harness
     h.add("r", TOKENS)

@@ -228,6 +228,10 @@ class WorkerConnector:
         self._inflight: deque[PendingOutput] = deque()
         self._lock = threading.Lock()
         self._block_offsets = np.arange(layout.block_size)
+        # Keys requests received in a step that runs them, pinned by the connector's next
+        # store call (that step's put at the latest): a call of its own would cost a step
+        # as much again. Every call that could evict or read takes them first.
+        self._unpinned: list[str] = []
 
     @property
     def num_requests(self) -> int:
@@ -309,7 +313,10 @@ class WorkerConnector:
                     table.record_as[slot] = metadata.record_as.get(req_id)
                 if not self._in_flight(slot):
                     teardown.append(slot)
-            self._teardown(teardown, objects, retain, release)
+            if req_ids and not (teardown or objects or release):
+                self._unpinned += retain  # the step's own put pins them (most steps)
+            else:
+                self._teardown(teardown, objects, retain, release)
 
     def _in_flight(self, slot: int) -> bool:
         """Whether a step prepared and not yet processed covers the slot."""
@@ -369,12 +376,16 @@ class WorkerConnector:
             objects[keys[index]] = waiting.pop(index)
 
     def _put(self, objects, retain=(), release=(), manifests=()) -> None:
+        if self._unpinned:
+            # First in the call: a put pins before it stores and unpins.
+            retain = [*self._unpinned, *retain]
         if objects or retain or release or manifests:
             try:
                 self.store.put(objects, retain, release, manifests)
             except R3Error as exc:
                 self.stats.errors[type(exc).__name__] += 1
-                raise
+                raise  # nothing was written: the next call pins them
+            self._unpinned = []
             self.stats.blocks_published += len(objects)
             self.stats.manifests += len(manifests)
 
@@ -808,6 +819,7 @@ class WorkerConnector:
     def _read_store(self, keys: list[str], pending, plans) -> np.ndarray:
         if not keys:
             return self.layout.empty_rows()
+        self._put({})  # the keys read are pinned before the read, as they were received
         try:
             stored = self.store.get_concatenated(keys)
         except R3Error as exc:
