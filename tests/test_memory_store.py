@@ -117,6 +117,23 @@ def test_a_batch_that_cannot_fit_raises_without_a_partial_write():
     s.get_concatenated(["a", "b"])
 
 
+def test_rows_read_or_put_are_never_the_memory_a_later_eviction_reuses():
+    s = store(blocks=2)
+    mine = blk(1)
+    s.put({"a": mine, "b": blk(2)})
+    mine[...] = 7  # the caller's array is its own again once put returns
+    rows = s.get_concatenated(["a"])
+    targets = [np.zeros(LAYOUT.block_shape, LAYOUT.dtype)]
+    s.read_into(["b"], targets)
+    # A full store copies new blocks into the arrays of the blocks it evicts.
+    s.put({"c": blk(3), "d": blk(4)})
+    assert s.stats().evictions == 2
+    assert rows.max() == rows.min() == 1 and targets[0].max() == targets[0].min() == 2
+    assert s.get_concatenated(["c", "d"]).tolist() == np.stack([blk(3), blk(4)]).reshape(
+        -1, *LAYOUT.row_shape).tolist()
+    assert mine.min() == 7
+
+
 def test_a_put_that_evicts_keeps_the_stored_blocks_it_names_again():
     s = store(blocks=2)
     s.put({"a": blk(1)})

@@ -65,12 +65,13 @@ class MemoryBlockStore:
                 new = {k: v for k, v in objects.items() if k not in blocks}
                 held = objects.keys() - new.keys()
             nbytes = len(new) * self.layout.block_nbytes
+            freed: list[np.ndarray] = []
             if self._used + nbytes > self.max_bytes:  # checked above: raises, or evicts
                 # Blocks the put names stay: it pins them, or compares them as duplicates.
-                self._reserve(nbytes, [*retain_keys, *held,
-                                       *(k for m in manifests for k in m.block_keys)])
+                freed = self._reserve(nbytes, [*retain_keys, *held,
+                                               *(k for m in manifests for k in m.block_keys)])
             first = self._retain(retain_keys)
-            self._insert(new)
+            self._insert(new, freed)
             for key in held:
                 if np.array_equal(self._blocks[key], objects[key]):
                     self._duplicates += 1
@@ -103,8 +104,9 @@ class MemoryBlockStore:
                 self._release(reversed(manifest.block_keys))
             return len(found)
 
-    def _reserve(self, nbytes: int, retain_keys: Collection[str]) -> None:
-        """Evict idle blocks until ``nbytes`` fit, or raise before changing anything.
+    def _reserve(self, nbytes: int, retain_keys: Collection[str]) -> list[np.ndarray]:
+        """Evict idle blocks until ``nbytes`` fit, or raise before changing anything;
+        returns the evicted blocks' arrays, for the new blocks to be copied into.
 
         A full store evicts a block for each it stores (a prefill step's hundreds): the
         victims are picked and removed by C iteration, the counts updated once.
@@ -122,17 +124,30 @@ class MemoryBlockStore:
         # Oldest release first; blocks this batch is about to pin keep their place.
         victims = list(islice(filterfalse(retained.__contains__, idle), count))
         deque(map(idle.__delitem__, victims), maxlen=0)
-        deque(map(self._blocks.__delitem__, victims), maxlen=0)
+        freed = list(map(self._blocks.pop, victims))
         self._used -= count * size
         self._idle_bytes -= count * size
         self._evictions += count
+        return freed
 
-    def _insert(self, new: Mapping[str, np.ndarray]) -> None:
+    def _insert(self, new: Mapping[str, np.ndarray], freed: list[np.ndarray]) -> None:
         """Store copies of checked whole blocks (a prefill step brings hundreds), by C
-        iteration: the copies, the stores and the idle entries each one pass."""
+        iteration: the copies, the stores and the idle entries each one pass.
+
+        The first ones are copied into ``freed``, evicted blocks' arrays (at most one per
+        new block): a full store reuses its memory rather than freeing a block's and
+        allocating another. No array of the store's leaves it (reads copy under the lock),
+        so none is seen changing.
+        """
         blocks, refs, idle = self._blocks, self._refs, self._idle
         # Own the bytes: the caller may write into its arrays after put() returns.
-        blocks.update(zip(new.keys(), map(np.ndarray.copy, new.values())))
+        if freed:
+            keys, values = list(new), list(new.values())
+            deque(map(np.copyto, freed, values), maxlen=0)
+            blocks.update(zip(keys, freed))
+            blocks.update(zip(keys[len(freed):], map(np.ndarray.copy, values[len(freed):])))
+        else:
+            blocks.update(zip(new.keys(), map(np.ndarray.copy, new.values())))
         # Unpinned new blocks are idle. None of them was stored, so none was idle before,
         # and refs holds only counts above zero.
         before = len(idle)
@@ -184,10 +199,10 @@ class MemoryBlockStore:
             if missing:
                 check_key_types(missing)
                 raise BlockNotFoundError(missing, namespace=self.namespace)
-            blocks = [self._blocks[k] for k in keys]
-        if not blocks:
-            return self.layout.empty_rows()
-        return np.concatenate(blocks)
+            if not keys:
+                return self.layout.empty_rows()
+            # Under the lock: a later put may copy another block into an evicted array.
+            return np.concatenate([self._blocks[k] for k in keys])
 
     def read_present(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> list[int]:
         """Copy the blocks held here into their targets; the indices of the others."""
