@@ -141,13 +141,10 @@ class MemoryBlockStore:
         """
         blocks, refs, idle = self._blocks, self._refs, self._idle
         # Own the bytes: the caller may write into its arrays after put() returns.
-        if freed:
-            keys, values = list(new), list(new.values())
-            deque(map(np.copyto, freed, values), maxlen=0)
-            blocks.update(zip(keys, freed))
-            blocks.update(zip(keys[len(freed):], map(np.ndarray.copy, values[len(freed):])))
-        else:
-            blocks.update(zip(new.keys(), map(np.ndarray.copy, new.values())))
+        keys, values = list(new), list(new.values())
+        deque(map(np.copyto, freed, values), maxlen=0)
+        blocks.update(zip(keys, freed))
+        blocks.update(zip(keys[len(freed):], map(np.ndarray.copy, values[len(freed):])))
         # Unpinned new blocks are idle. None of them was stored, so none was idle before,
         # and refs holds only counts above zero.
         before = len(idle)
