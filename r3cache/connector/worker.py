@@ -228,9 +228,9 @@ class WorkerConnector:
         self._inflight: deque[PendingOutput] = deque()
         self._lock = threading.Lock()
         self._block_offsets = np.arange(layout.block_size)
-        # Keys requests received in a step that runs them, pinned by the connector's next
-        # store call (that step's put at the latest): a call of its own would cost a step
-        # as much again. Every call that could evict or read takes them first.
+        # Keys requests received since the last store call, pinned first by the next one
+        # (a step's own put at the latest; at once in a step that runs nothing): a call of
+        # their own would cost a step as much again. Every read takes them first too.
         self._unpinned: list[str] = []
 
     @property
@@ -297,12 +297,11 @@ class WorkerConnector:
                 self._generation = metadata.generation
             self._register(req_ids, emit_starts, slots)
             objects: dict[str, np.ndarray] = {}
-            retain: list[str] = []
             for req_id, keys in new_keys.items():
                 slot = table.lookup(req_id)
                 table.keys[slot].extend(keys)
                 table.nkeys[slot] += len(keys)
-                retain.extend(keys)
+                self._unpinned.extend(keys)
                 self._collect_keyed(slot, objects)
             teardown: list[int] = []
             for req_id in metadata.finished_requests:
@@ -313,10 +312,9 @@ class WorkerConnector:
                     table.record_as[slot] = metadata.record_as.get(req_id)
                 if not self._in_flight(slot):
                     teardown.append(slot)
-            if req_ids and not (teardown or objects or release):
-                self._unpinned += retain  # the step's own put pins them (most steps)
-            else:
-                self._teardown(teardown, objects, retain, release)
+            # Most steps have nothing else to store: their own put pins the new keys.
+            if not req_ids or teardown or objects or release:
+                self._teardown(teardown, objects, release)
 
     def _in_flight(self, slot: int) -> bool:
         """Whether a step prepared and not yet processed covers the slot."""
@@ -375,10 +373,10 @@ class WorkerConnector:
         for index in [i for i in waiting if i < len(keys)]:
             objects[keys[index]] = waiting.pop(index)
 
-    def _put(self, objects, retain=(), release=(), manifests=()) -> None:
-        if self._unpinned:
-            # First in the call: a put pins before it stores and unpins.
-            retain = [*self._unpinned, *retain]
+    def _put(self, objects, release=(), manifests=()) -> None:
+        """One store call: the keys requests received since the last one are pinned first
+        (a put pins before it stores and unpins)."""
+        retain = self._unpinned
         if objects or retain or release or manifests:
             try:
                 self.store.put(objects, retain, release, manifests)
@@ -389,20 +387,20 @@ class WorkerConnector:
             self.stats.blocks_published += len(objects)
             self.stats.manifests += len(manifests)
 
-    def _teardown(self, slots: list[int], objects=None, retain=(), release=()) -> None:
+    def _teardown(self, slots: list[int], objects=None, release=()) -> None:
         """Record finished requests' manifests, release their keys tail first, free them.
 
         One store call, so the manifests hold their blocks before the request lets go.
         """
         if not slots:  # most steps: no request ends
-            self._put(objects or {}, retain, release)
+            self._put(objects or {}, release)
             return
         table = self._table
         manifests = [self._manifest(s) for s in slots if s in table.completion]
         release = list(release)
         for s in slots:
             release += reversed(table.keys[s])
-        self._put(objects or {}, retain, release, manifests)
+        self._put(objects or {}, release, manifests)
         table.free(slots)
 
     def _manifest(self, slot: int) -> Manifest:
@@ -845,6 +843,6 @@ class WorkerConnector:
             table.clear()
             self._inflight.clear()
             try:
-                self._put({}, (), release)
+                self._put({}, release)
             finally:
                 self.store.close()
