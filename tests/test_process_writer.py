@@ -11,6 +11,7 @@ import pytest
 
 from r3cache import RoutingLayout, WorkerConnector, open_store
 from r3cache.errors import StoreUnavailableError, WriterError
+from r3cache.manifest import BlockRef, Completion, Manifest
 from r3cache.sim import Engine, SimConfig, SimRequest, oracle_rows
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.tiered import TieredBlockStore
@@ -38,6 +39,25 @@ def test_the_simulator_verifies_with_a_process_writer(redis_url, namespace):
     assert not check.client_for(check.keys.owners).hexists(check.keys.owners, owner)
     check.close()
 
+
+
+def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namespace):
+    """Blocks go by the ring, manifests by a message pickled in put: editing the caller's
+    arrays afterwards (a reused tail, a capture buffer) reaches neither."""
+    writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60})
+    block = oracle_rows(np.arange(16), LAYOUT)
+    inline = oracle_rows(np.arange(100, 116), LAYOUT)
+    tail = inline[:5]  # a view, as the worker's manifests hold of a request's tail
+    manifest = Manifest("req", LAYOUT.fingerprint, Completion(0, 22),
+                        [BlockRef("k", 0, 16), tail])
+    writer.put({"k": block.copy()}, ["k"], manifests=[manifest])
+    inline[...] = 0
+    writer.flush()
+    (got,) = writer.get_manifests(["req"])
+    np.testing.assert_array_equal(got.segments[1], oracle_rows(np.arange(100, 105), LAYOUT))
+    np.testing.assert_array_equal(writer.get_concatenated(["k"]), block)
+    writer.release_manifests(["req"])
+    writer.close()
 
 @pytest.mark.parametrize(("url", "policy", "writer"), [
     ("redis", "raise", ProcessWriter),

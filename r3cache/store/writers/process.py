@@ -242,9 +242,10 @@ class ProcessWriter:
         for at in earlier:
             self._send_blocks(keys[at : at + step], rows[at : at + step], [], [], [],
                               deadline)
-        # The feeder pickles the manifests later: they go as copies the caller cannot edit.
+        # Pickled here, before put returns: what the helper gets is a copy the caller's
+        # later edits cannot reach (inline rows may be views of a buffer it reuses).
         self._send_blocks(keys[last:], rows[last:], list(retain_keys), list(release_keys),
-                          [m.own_copy() for m in manifests], deadline)
+                          list(manifests), deadline)
 
     def _send_blocks(self, keys: list[str], rows: list[np.ndarray], retain: Collection[str],
                      release: Sequence[str], manifests: Sequence[Manifest],
