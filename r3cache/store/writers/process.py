@@ -99,15 +99,18 @@ def _serve(connection: Connection) -> None:
                 # writer's own rows where another's sit under the key.
                 connection.send(("variants", dict(list(variants.items())[variants_sent:])))
                 variants_sent = len(variants)
+            # Changed counts go before "flushed" too: stats() after a flush is exact.
             counts = store.write_counts()
-            if counts != counts_sent:  # before "flushed" too: stats() after a flush is exact
-                connection.send(("counts", counts))
-                counts_sent = counts
+            changed = None if counts == counts_sent else counts
+            counts_sent = counts
             # put encoded the rows (views of the ring) and kept no view: the slots are
-            # the engine's again, also when the write failed.
+            # the engine's again, also when the write failed. One answer per put: the
+            # engine pays a read and an unpickling for each.
             if upto is not None:
                 ring.acknowledge(upto)
-                connection.send(("freed", upto))
+                connection.send(("freed", upto, changed))
+            elif changed is not None:
+                connection.send(("counts", changed))
         elif kind == "flush":
             connection.send(("flushed", message[1]))
         elif kind == "close":
@@ -419,6 +422,8 @@ class ProcessWriter:
                               f"(code {self._process.poll()})") from None
         if reply[0] == "freed":
             self._ring.freed(reply[1])
+            if reply[2] is not None:
+                self._write_counts = reply[2]
         elif reply[0] == "variants":
             self.reader.add_variants(reply[1])
         elif reply[0] == "counts":
