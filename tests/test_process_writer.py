@@ -40,7 +40,6 @@ def test_the_simulator_verifies_with_a_process_writer(redis_url, namespace):
     check.close()
 
 
-
 def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namespace):
     """Blocks go by the ring, manifests by a message pickled in put: editing the caller's
     arrays afterwards (a reused tail, a capture buffer) reaches neither."""
@@ -50,7 +49,9 @@ def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namesp
     tail = inline[:5]  # a view, as the worker's manifests hold of a request's tail
     manifest = Manifest("req", LAYOUT.fingerprint, Completion(0, 22),
                         [BlockRef("k", 0, 16), tail])
-    writer.put({"k": block.copy()}, ["k"], manifests=[manifest])
+    sent = block.copy()
+    writer.put({"k": sent}, ["k"], manifests=[manifest])
+    sent[...] = 0
     inline[...] = 0
     writer.flush()
     (got,) = writer.get_manifests(["req"])
@@ -58,6 +59,7 @@ def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namesp
     np.testing.assert_array_equal(writer.get_concatenated(["k"]), block)
     writer.release_manifests(["req"])
     writer.close()
+
 
 @pytest.mark.parametrize(("url", "policy", "writer"), [
     ("redis", "raise", ProcessWriter),
