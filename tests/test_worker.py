@@ -61,6 +61,40 @@ def test_prefix_hit_reads_the_producers_rows_published_earlier_in_the_same_batch
     assert h.refcount(shared[0].hex()) == 2
 
 
+def test_prefix_hits_on_runs_of_whole_blocks_get_exactly_their_rows(harness):
+    """Hits read a producer's blocks of the same batch and, a step later, the store's: a
+    hit on the start of a run, on part of one, and hits whose blocks leave a run part way
+    (two prompts sharing their first blocks, each a run of its own)."""
+    h = harness
+    bs = h.layout.block_size
+    prompt = list(range(1000, 1000 + 10 * bs + 2))
+    fork = prompt[: 4 * bs] + list(range(3000, 3000 + 6 * bs))  # shares 4 blocks
+    h.add("p", prompt)
+    h.add("q", fork)
+    hits = {"whole": prompt[: 8 * bs] + [1, 2, 3], "part": prompt[: 3 * bs] + [4],
+            "forked": fork[: 9 * bs] + [5]}
+    for r, tokens in hits.items():
+        h.add(r, tokens)
+    assert h.keys("q", 0, 4) == h.keys("p", 0, 4) and h.keys("q", 4, 5) != h.keys("p", 4, 5)
+    requests = ["p", "q", *hits]
+    h.begin(dict.fromkeys(requests, 0), {r: h.hashes(r) for r in requests})
+    out = h.step([("p", 0, len(prompt)), ("q", 0, len(fork)),
+                  *((r, len(t) // bs * bs, len(t) % bs) for r, t in hits.items())],
+                 sampled=[1] * 5)
+    for r in requests:
+        assert_output(out[r], h, r, 0, len(h.tokens[r]))
+    # The same hits a step later, from the store: its read is one run in first-use order.
+    later = {f"{r}-again": t for r, t in hits.items()}
+    for r, tokens in later.items():
+        h.add(r, tokens)
+    h.begin(dict.fromkeys(later, 0), {r: h.hashes(r) for r in later}, finished=list(hits))
+    out = h.step([(r, len(t) // bs * bs, len(t) % bs) for r, t in later.items()],
+                 sampled=[1] * 3)
+    for r, tokens in later.items():
+        assert_output(out[r], h, r, 0, len(tokens))
+    assert h.worker.stats.blocks_read == 2 * (8 + 3 + 9)
+
+
 def test_prefix_hit_of_a_fully_cached_prompt_recomputes_only_the_last_token(harness):
     h = harness
     h.add("p", TOKENS[:9])

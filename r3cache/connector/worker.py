@@ -583,8 +583,8 @@ class WorkerConnector:
         self.stats.steps += 1
         self.stats.rows_captured += len(kept)
 
-        made, published = self._capture(slots, start, end, row0, rows, req, offset,
-                                        kept if one_each else None)
+        made, published, runs = self._capture(slots, start, end, row0, rows, req, offset,
+                                              kept if one_each else None)
 
         ids = pending.req_ids
         old = table.emit[slots].tolist()
@@ -613,7 +613,8 @@ class WorkerConnector:
                 later.append(i)  # owed rows from before this step's capture start
         try:
             if later:
-                self._materialise(pending, later, old, ends, dict(made), published, outputs)
+                self._materialise(pending, later, old, ends, dict(made), published, runs,
+                                  outputs)
         finally:
             # The step's blocks go to the store once its outputs are built (its own hits
             # read them from `published`): behind a writer thread, the copies and pins run
@@ -641,7 +642,8 @@ class WorkerConnector:
             )
 
     def _capture(self, slots, start, end, row0, rows, req, offset, one_each=None
-                 ) -> tuple[Iterable[tuple[tuple[int, int], np.ndarray]], dict[str, np.ndarray]]:
+                 ) -> tuple[Iterable[tuple[tuple[int, int], np.ndarray]], dict[str, np.ndarray],
+                            list[tuple[int, int, np.ndarray]]]:
         """Write the step's valid rows into tails; key or park the blocks they complete.
 
         Vectorised over all rows of the step (``req``, ``offset``: each row's request and
@@ -649,7 +651,9 @@ class WorkerConnector:
         long ones, whose rows are contiguous. ``one_each`` holds the kept rows when every
         request kept exactly one (decode): then each row lands in its request's tail and
         completes at most that block. Returns the blocks completed here as ((slot, block
-        index), rows) pairs and (those with keys) by key, for materialisation.
+        index), rows) pairs and (those with keys) by key, for materialisation, and the
+        runs of whole blocks that lie one after another in the step's rows, as (slot,
+        first block index, rows).
         """
         table = self._table
         bs = self.layout.block_size
@@ -659,9 +663,9 @@ class WorkerConnector:
             # A row completes its block when it is the block's last (`end` on a boundary).
             done_first = np.flatnonzero(end % bs == 0)
             if not len(done_first):
-                return (), {}
+                return (), {}, ()
         elif req is not None and not len(req):
-            return (), {}
+            return (), {}, ()
         else:
             end_block = end // bs  # block holding `end`: the tail after this step
             if req is None:
@@ -680,6 +684,7 @@ class WorkerConnector:
         head = done_first[owned]
         block_req = [head]
         block_idx = [first_block[head]]
+        runs: list[tuple[int, int, np.ndarray]] = []
         if one_each is not None:
             # Views: no row of this step lands in a tail after its block completed, and
             # the store copies what put hands it.
@@ -696,7 +701,9 @@ class WorkerConnector:
                 for i in middle.nonzero()[0].tolist():
                     m, j = int(middle[i]), int(first_block[i]) + 1
                     at = int(row0[i]) + j * bs - int(start[i])
-                    blocks.extend(rows[at : at + m * bs].reshape(m, *self.layout.block_shape))
+                    run = rows[at : at + m * bs]
+                    blocks.extend(run.reshape(m, *self.layout.block_shape))
+                    runs.append((int(slots[i]), j, run))
                     block_req.append(np.full(m, i))
                     block_idx.append(np.arange(j, j + m))
             if req is None:
@@ -710,7 +717,7 @@ class WorkerConnector:
             block_req, block_idx = np.concatenate(block_req), np.concatenate(block_idx)
         else:
             (block_req,), (block_idx,) = block_req, block_idx
-        return self._publish(slots[block_req], block_idx, blocks, fresh)
+        return (*self._publish(slots[block_req], block_idx, blocks, fresh), runs)
 
     def _to_tails(self, slots, lo, hi, src, rows) -> None:
         """Copy each request's rows for positions ``[lo, hi)``, all in one block and
@@ -742,7 +749,7 @@ class WorkerConnector:
                     table.unkeyed.setdefault(s, {})[j] = block if n < fresh else block.copy()
         return zip(zip(slots, index), blocks), objects
 
-    def _materialise(self, pending, later, emit, end, own, published, outputs) -> None:
+    def _materialise(self, pending, later, emit, end, own, published, runs, outputs) -> None:
         """Serve rows owed before this step's capture start (prefix hits, chunked prefill).
 
         The whole batch was published first, so a consumer may read a block that a
@@ -767,18 +774,40 @@ class WorkerConnector:
             served += len(used)
             wanted.update(dict.fromkeys(filterfalse(published.__contains__, used)))
             plans.append((i, emit[i], head, keys, tail))
+        # Whole blocks that lie one after another in one array (a producer's rows this
+        # step, the store's read), by their first key: a hit on hundreds of them is copied
+        # as one piece, not block by block.
+        run_at = {}
+        for slot, j, run in runs:
+            keys = table.keys[slot][j : j + len(run) // bs]
+            if keys:
+                run_at[keys[0]] = (keys, run)
         found = published
         if wanted:
             keys = list(wanted)
             stored = self._read_store(keys, pending, plans)
             found = {**published, **{k: stored[n * bs : (n + 1) * bs]
                                      for n, k in enumerate(keys)}}
+            run_at[keys[0]] = (keys, stored)
 
         def rows(parts):
             return [(found[p] if isinstance(p, str) else p)[a:b] for p, a, b in parts]
 
+        def whole(keys):
+            pieces, p = [], 0
+            while p < len(keys):
+                run_keys, run = run_at.get(keys[p], ((), None))
+                m = min(len(run_keys), len(keys) - p)
+                if m > 1 and keys[p : p + m] == run_keys[:m]:
+                    pieces.append(run[: m * bs])
+                    p += m
+                else:
+                    pieces.append(found[keys[p]])
+                    p += 1
+            return pieces
+
         for i, lo, head, keys, tail in plans:
-            pieces = [*rows(head), *map(found.__getitem__, keys), *rows(tail)]
+            pieces = [*rows(head), *whole(keys), *rows(tail)]
             outputs[pending.req_ids[i]] = RequestOutput(lo, np.concatenate(pieces))
         self.stats.blocks_read += served
 
