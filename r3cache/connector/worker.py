@@ -7,7 +7,7 @@ import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import filterfalse, repeat
+from itertools import count, filterfalse, repeat
 from typing import Any
 
 import numpy as np
@@ -774,40 +774,49 @@ class WorkerConnector:
             served += len(used)
             wanted.update(dict.fromkeys(filterfalse(published.__contains__, used)))
             plans.append((i, emit[i], head, keys, tail))
-        # Whole blocks that lie one after another in one array (a producer's rows this
-        # step, the store's read), by their first key: a hit on hundreds of them is copied
-        # as one piece, not block by block.
-        run_at = {}
+        # Every whole block that lies in a run, blocks one after another in one array (a
+        # producer's whole blocks in this step's rows, the store's read of the step's hits
+        # in first-use order), by key: (the run's keys, the block's place in them, the
+        # run's rows). A hit is copied a run at a time, not block by block.
+        at: dict[str, tuple[list[str], int, np.ndarray]] = {}
         for slot, j, run in runs:
             keys = table.keys[slot][j : j + len(run) // bs]
-            if keys:
-                run_at[keys[0]] = (keys, run)
-        found = published
+            at.update(zip(keys, zip(repeat(keys), count(), repeat(run))))
         if wanted:
             keys = list(wanted)
             stored = self._read_store(keys, pending, plans)
-            found = {**published, **{k: stored[n * bs : (n + 1) * bs]
-                                     for n, k in enumerate(keys)}}
-            run_at[keys[0]] = (keys, stored)
+            at.update(zip(keys, zip(repeat(keys), count(), repeat(stored))))
 
-        def rows(parts):
-            return [(found[p] if isinstance(p, str) else p)[a:b] for p, a, b in parts]
+        def block(key):
+            where = at.get(key)
+            if where is None:  # completed in a tail this step
+                return published[key]
+            _, n, run = where
+            return run[n * bs : (n + 1) * bs]
+
+        def parts(head_or_tail):
+            return [(block(p) if isinstance(p, str) else p)[a:b] for p, a, b in head_or_tail]
 
         def whole(keys):
             pieces, p = [], 0
             while p < len(keys):
-                run_keys, run = run_at.get(keys[p], ((), None))
-                m = min(len(run_keys), len(keys) - p)
-                if m > 1 and keys[p : p + m] == run_keys[:m]:
-                    pieces.append(run[: m * bs])
-                    p += m
-                else:
-                    pieces.append(found[keys[p]])
+                where = at.get(keys[p])
+                if where is None:  # completed in a tail this step
+                    pieces.append(published[keys[p]])
                     p += 1
+                    continue
+                run_keys, n, run = where
+                m = min(len(run_keys) - n, len(keys) - p)
+                if keys[p : p + m] != run_keys[n : n + m]:  # the hit leaves the run
+                    m = 1
+                    while keys[p + m] == run_keys[n + m]:
+                        m += 1
+                pieces.append(run[n * bs : (n + m) * bs])
+                p += m
             return pieces
 
         for i, lo, head, keys, tail in plans:
-            pieces = [*rows(head), *whole(keys), *rows(tail)]
+            pieces = [*parts(head), *whole(keys), *parts(tail)]
             outputs[pending.req_ids[i]] = RequestOutput(lo, np.concatenate(pieces))
         self.stats.blocks_read += served
 
