@@ -63,8 +63,8 @@ def test_prefix_hit_reads_the_producers_rows_published_earlier_in_the_same_batch
 
 def test_prefix_hits_on_runs_of_whole_blocks_get_exactly_their_rows(harness):
     """Hits read a producer's blocks of the same batch and, a step later, the store's: a
-    hit on the start of a run, on part of one, and hits whose blocks leave a run part way
-    (two prompts sharing their first blocks, each a run of its own)."""
+    hit on the start of a run, on part of one, hits whose blocks leave a run part way (two
+    prompts sharing their first blocks, each a run of its own) and go on inside another."""
     h = harness
     bs = h.layout.block_size
     prompt = list(range(1000, 1000 + 10 * bs + 2))
