@@ -122,9 +122,12 @@ class RoutingLayout:
         return None
 
     def prepare_checks(self) -> None:
-        """Load id_problem's compiled kernel now rather than in an engine's first step
-        (numba's import and the kernel's compile or cache load, once per process)."""
-        repeats_an_expert(np.arange(self.topk, dtype=self.dtype).reshape(1, 1, self.topk))
+        """Load the compiled kernels of id_problem and repeats_an_expert now rather than
+        in an engine's first step (numba's import, and each kernel's compile or cache
+        load, once per process)."""
+        row = np.arange(self.topk, dtype=self.dtype).reshape(1, 1, self.topk)
+        self.id_problem(row)
+        repeats_an_expert(row)
 
     def check_blocks(self, blocks: Mapping[str, np.ndarray]) -> None:
         """check_block for every block of a put, named by its key in an error."""
