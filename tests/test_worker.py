@@ -17,6 +17,7 @@ from r3cache.errors import (
     InvalidBatchError,
     LayoutMismatchError,
     MetadataError,
+    StoreFullError,
 )
 from r3cache.manifest import Completion
 from r3cache.store.memory import MemoryBlockStore
@@ -204,6 +205,40 @@ def test_a_full_block_waits_for_its_hash_in_a_hash_only_update(harness):
     np.testing.assert_array_equal(h.store.get_concatenated(h.keys("r", 0, 2)), h.rows("r", 0, 8))
     h.begin(finished=["r"], block_hashes={"r": h.hashes("r", 2, 3)})  # never completed
     assert h.refcount(h.keys("r")[2]) == 0 and h.worker.num_requests == 0
+
+
+def test_a_block_keyed_by_a_running_step_is_stored_by_its_put_and_read_by_its_hits(harness):
+    """Drafts' blocks get their hash a step after they complete; the step that brings it
+    stores the block with its own put, and a prefix hit in that step reads its rows."""
+    h = harness
+    h.add("r", TOKENS)
+    h.add("c", TOKENS[:4] + [7, 8])
+    h.begin({"r": 0})
+    h.step([("r", 0, 6)], sampled=[1])  # block 0 complete, its hash not yet sent
+    h.begin({"r": 6, "c": 0}, {"r": h.hashes("r", 0, 1), "c": h.hashes("c", 0, 1)})
+    out = h.step([("r", 6, 1), ("c", 4, 2)], sampled=[1, 1])
+    assert_output(out["r"], h, "r", 6, 7)
+    assert_output(out["c"], h, "c", 0, 6)  # rows 0..3: r's block, keyed this step
+    np.testing.assert_array_equal(h.store.get_concatenated(h.keys("r", 0, 1)), h.rows("r", 0, 4))
+    assert h.refcount(h.keys("r")[0]) == 2
+
+
+def test_a_refused_put_keeps_the_blocks_it_was_to_store(layout):
+    """A store that refuses a put (full of pinned blocks) gets the same blocks again with
+    the next call: a block keyed by a hash-only update is not lost with the error."""
+    h = Harness(layout, max_bytes=2 * layout.block_nbytes)
+    h.add("r", TOKENS)
+    h.store.put({"a": h.rows("r", 20, 24), "b": h.rows("r", 24, 28)}, retain_keys=["a", "b"])
+    h.begin({"r": 0})
+    h.step([("r", 0, 6)], sampled=[1])
+    with pytest.raises(StoreFullError):
+        h.begin(block_hashes={"r": h.hashes("r", 0, 1)})
+    h.store.put({}, release_keys=["a"])
+    h.begin()  # a step that runs nothing stores what is owed at once
+    np.testing.assert_array_equal(h.store.get_concatenated(h.keys("r", 0, 1)), h.rows("r", 0, 4))
+    assert h.refcount(h.keys("r")[0]) == 1
+    assert_output(h.step([("r", 6, 1)], sampled=[1])["r"], h, "r", 6, 7)
+    h.worker.close()
 
 
 def test_packed_hashes_key_blocks_as_the_hashes_one_by_one(harness):

@@ -232,6 +232,10 @@ class WorkerConnector:
         # (a step's own put at the latest; at once in a step that runs nothing): a call of
         # their own would cost a step as much again. Every read takes them first too.
         self._unpinned: list[str] = []
+        # Parked blocks whose hash has arrived (speculative decoding: a block of drafts is
+        # keyed once they are accepted), stored by the next store call for the same reason.
+        # Until then a read finds them nowhere but here: every read puts them first.
+        self._unput: dict[str, np.ndarray] = {}
 
     @property
     def num_requests(self) -> int:
@@ -296,13 +300,12 @@ class WorkerConnector:
                 table.clear()
                 self._generation = metadata.generation
             self._register(req_ids, emit_starts, slots)
-            objects: dict[str, np.ndarray] = {}
             for req_id, keys in new_keys.items():
                 slot = table.lookup(req_id)
                 table.keys[slot].extend(keys)
                 table.nkeys[slot] += len(keys)
                 self._unpinned.extend(keys)
-                self._collect_keyed(slot, objects)
+                self._collect_keyed(slot, self._unput)
             teardown: list[int] = []
             for req_id in metadata.finished_requests:
                 slot = table.lookup(req_id)
@@ -312,9 +315,10 @@ class WorkerConnector:
                     table.record_as[slot] = metadata.record_as.get(req_id)
                 if not self._in_flight(slot):
                     teardown.append(slot)
-            # Most steps have nothing else to store: their own put pins the new keys.
-            if not req_ids or teardown or objects or release:
-                self._teardown(teardown, objects, release)
+            # Most steps have nothing else to store: their own put pins the new keys and
+            # stores the blocks they key.
+            if not req_ids or teardown or release:
+                self._teardown(teardown, release)
 
     def _in_flight(self, slot: int) -> bool:
         """Whether a step prepared and not yet processed covers the slot."""
@@ -375,32 +379,36 @@ class WorkerConnector:
 
     def _put(self, objects, release=(), manifests=()) -> None:
         """One store call: the keys requests received since the last one are pinned first
-        (a put pins before it stores and unpins)."""
+        (a put pins before it stores and unpins), and the parked blocks keyed since then
+        are stored with ``objects``."""
         retain = self._unpinned
+        if self._unput:
+            objects = {**self._unput, **objects}
         if objects or retain or release or manifests:
             try:
                 self.store.put(objects, retain, release, manifests)
             except R3Error as exc:
                 self.stats.errors[type(exc).__name__] += 1
-                raise  # nothing was written: the next call pins them
+                raise  # nothing was written: the next call pins and stores them
             self._unpinned = []
+            self._unput = {}
             self.stats.blocks_published += len(objects)
             self.stats.manifests += len(manifests)
 
-    def _teardown(self, slots: list[int], objects=None, release=()) -> None:
+    def _teardown(self, slots: list[int], release=()) -> None:
         """Record finished requests' manifests, release their keys tail first, free them.
 
         One store call, so the manifests hold their blocks before the request lets go.
         """
         if not slots:  # most steps: no request ends
-            self._put(objects or {}, release)
+            self._put({}, release)
             return
         table = self._table
         manifests = [self._manifest(s) for s in slots if s in table.completion]
         release = list(release)
         for s in slots:
             release += reversed(table.keys[s])
-        self._put(objects or {}, release, manifests)
+        self._put({}, release, manifests)
         table.free(slots)
 
     def _manifest(self, slot: int) -> Manifest:
@@ -855,7 +863,7 @@ class WorkerConnector:
     def _read_store(self, keys: list[str], pending, plans) -> np.ndarray:
         if not keys:
             return self.layout.empty_rows()
-        self._put({})  # the keys read are pinned before the read, as they were received
+        self._put({})  # pinned before the read, as received; keyed parked blocks stored
         try:
             stored = self.store.get_concatenated(keys)
         except R3Error as exc:
