@@ -598,12 +598,15 @@ class WorkerConnector:
         old = table.emit[slots].tolist()
         starts, num_sampled = start.tolist(), sampled.tolist()
         new = tuple.__new__  # RequestOutput(e, rows), without the Python-level __new__
-        if one_each and old == starts and min(num_sampled, default=0) > 0:
-            # Decode: each request is owed the one row it ran, from where it emits; the
-            # outputs are built in C calls (one view per request), no Python loop.
+        if old == starts and min(num_sampled, default=0) > 0:
+            # Every request is owed exactly the rows it kept, from where it emits (decode,
+            # speculative decoding, a prompt's last chunk): the outputs are built in C
+            # calls, one view per request, no Python loop.
             self._put(published)
             table.emit[slots] = end
-            return dict(zip(ids, map(new, repeat(RequestOutput), zip(old, kept[:, None]))))
+            views = (kept[:, None] if one_each else
+                     map(rows.__getitem__, map(slice, row0.tolist(), (row0 + valid).tolist())))
+            return dict(zip(ids, map(new, repeat(RequestOutput), zip(old, views))))
         # Per request in Python, one pass: the few hundred requests of a step cost less so
         # than a dozen numpy calls over them would.
         emits = list(old)
