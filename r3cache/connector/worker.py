@@ -153,8 +153,9 @@ class WorkerConnector:
 
     Invariants, per request slot: rows for positions ``[owned_from, capture)`` were
     captured by this incarnation and live in exactly one place: the store (a full
-    block whose key arrived), ``unkeyed`` (a full block still waiting for its hash)
-    or ``tail`` (the block containing ``capture``). Rows before ``owned_from`` come
+    block whose key arrived; ``_unput`` until the next store call, if it was parked),
+    ``unkeyed`` (a full block still waiting for its hash) or ``tail`` (the block
+    containing ``capture``). Rows before ``owned_from`` come
     only from the store. Every key a request received is pinned until its teardown,
     which waits for the last in-flight step that covers the request.
     """
