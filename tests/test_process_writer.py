@@ -153,6 +153,32 @@ def test_puts_gathered_into_one_round_keep_every_effect(redis_url, namespace):
     writer.close()
 
 
+def test_puts_the_socket_cannot_take_at_once_follow_through_the_feeder_in_order(
+        redis_url, namespace):
+    """Puts go to the socket straight from the caller while it takes them whole; with the
+    helper stopped it fills, one put goes part there and part through the feeder, and the
+    rest follow it there: every effect arrives, in order (three holds then two releases
+    of each key leave one; a release taken early would leave two)."""
+    keys = [f"{i:064x}" for i in range(2000)]  # ~140 KB a put: a few fill the socket
+    rows = np.broadcast_to(np.arange(8, dtype=np.uint8), LAYOUT.block_shape).copy()
+    writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60})
+    writer._process.send_signal(signal.SIGSTOP)
+    puts = [{"retain_keys": keys}] * 3 + [{"objects": {"blk": rows}}] \
+        + [{"release_keys": keys}] * 2
+    for put in puts:
+        writer.put(put.get("objects", {}), put.get("retain_keys", ()),
+                   put.get("release_keys", ()))
+    queued = writer._queued
+    writer._process.send_signal(signal.SIGCONT)
+    writer.flush()
+    assert 0 < queued < len(puts)  # some went straight to the socket, some through the feeder
+    reader = writer.reader
+    assert {reader.refcount(k) for k in keys[::97]} == {1}
+    np.testing.assert_array_equal(reader.get_concatenated(["blk"]), rows)
+    writer.put({}, release_keys=keys)
+    writer.close()
+
+
 def test_the_ring_wraps_and_waits_for_acknowledged_slots():
     ring = BlockRing(LAYOUT, capacity=5)
     assert ring.place(3) == 0
