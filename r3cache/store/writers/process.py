@@ -180,14 +180,14 @@ def _gather(connection: Connection, first: tuple,
 class ProcessWriter:
     """Own a helper process that writes to a Redis store, and a read handle in this process.
 
-    ``put`` copies the blocks into a shared-memory ring and hands their keys and slots,
-    the pins and the manifests to a feeder thread through a bounded queue; the feeder
-    sends them to the helper process (``python -m r3cache.store.writers.helper``), which reads
-    the rows in place, encodes, writes and keeps the holds as its own owner (its lease
-    dies with it). If the queue or the ring stays full for ``max_wait`` seconds (Redis
-    down or stalled), ``put`` raises StoreUnavailableError instead of stalling the
-    engine. The first failure in the helper is sticky: every later call raises
-    WriterError.
+    ``put`` copies the blocks into a shared-memory ring and sends their keys and slots,
+    the pins and the manifests to the helper process (``python -m
+    r3cache.store.writers.helper``): itself while the socket takes them without waiting,
+    otherwise through a feeder thread and a bounded queue. The helper reads the rows in
+    place, encodes, writes and keeps the holds as its own owner (its lease dies with
+    it). If the queue or the ring stays full for ``max_wait`` seconds (Redis down or
+    stalled), ``put`` raises StoreUnavailableError instead of stalling the engine. The
+    first failure in the helper is sticky: every later call raises WriterError.
     """
 
     def __init__(self, url: str, layout: RoutingLayout, namespace: str, options: dict,
@@ -238,9 +238,9 @@ class ProcessWriter:
         self._reads = BoundedCalls(f"r3cache-read-{namespace}")
 
     def _feed(self) -> None:
-        """Send queued messages to the helper, in order. Puts come pickled: this thread
-        then holds the GIL only to hand their bytes to the pipe, not to pickle them while
-        the engine thread waits for it."""
+        """Send queued messages to the helper, in order. Puts come pickled and framed:
+        this thread then holds the GIL only to hand their bytes to the socket, not to
+        pickle them while the engine thread waits for it."""
         while True:
             message = self._outbox.get()
             try:
