@@ -167,13 +167,14 @@ def _gather(connection: Connection, first: tuple,
         retain += more_retain
         release += more_release
         manifests += more_manifests
-        if connection.poll(0):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            message = None  # the round is gathered, however fast puts come
+        elif connection.poll(0):
             message = connection.recv()
-        elif (left := deadline - time.monotonic()) > 0:
+        else:
             time.sleep(left)  # on a timer, for the reason _serve gives
             message = connection.recv() if connection.poll(0) else None
-        else:
-            message = None
     return ("put", objects, retain, release, manifests, upto), message
 
 
