@@ -142,7 +142,8 @@ def _serve(connection: Connection) -> None:
 
 def _gather(connection: Connection, first: tuple,
             ring: BlockRing) -> tuple[tuple, tuple | None]:
-    """One put made of ``first`` and the puts that follow it within ``_LINGER`` seconds.
+    """One put made of ``first``, the puts that follow it within ``_LINGER`` seconds and
+    those waiting then, for at most another ``_LINGER``.
 
     Waiting a moment lets the engine finish its step before this process and Redis take
     the CPU, and makes larger rounds. Merging keeps every effect: blocks are immutable
@@ -167,14 +168,16 @@ def _gather(connection: Connection, first: tuple,
         retain += more_retain
         release += more_release
         manifests += more_manifests
-        left = deadline - time.monotonic()
-        if left <= 0:
-            message = None  # the round is gathered, however fast puts come
-        elif connection.poll(0):
+        now = time.monotonic()
+        if now < deadline + _LINGER and connection.poll(0):
+            # There already: this round's, but at most one linger more however fast
+            # puts come (the round is written only once gathered).
             message = connection.recv()
-        else:
-            time.sleep(left)  # on a timer, for the reason _serve gives
+        elif now < deadline:
+            time.sleep(deadline - now)  # on a timer, for the reason _serve gives
             message = connection.recv() if connection.poll(0) else None
+        else:
+            message = None
     return ("put", objects, retain, release, manifests, upto), message
 
 
