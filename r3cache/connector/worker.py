@@ -155,9 +155,9 @@ class WorkerConnector:
     captured by this incarnation and live in exactly one place: the store (a full
     block whose key arrived; ``_unput`` until the next store call, if it was parked),
     ``unkeyed`` (a full block still waiting for its hash) or ``tail`` (the block
-    containing ``capture``). Rows before ``owned_from`` come
-    only from the store. Every key a request received is pinned until its teardown,
-    which waits for the last in-flight step that covers the request.
+    containing ``capture``). Rows before ``owned_from`` come only from the store. Every
+    key a request received is pinned until its teardown, which waits for the last
+    in-flight step that covers the request.
     """
 
     def __init__(

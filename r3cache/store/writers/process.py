@@ -361,8 +361,7 @@ class ProcessWriter:
             deadline = time.monotonic() + self.max_wait
         self._flushes += 1
         try:
-            self._enqueue(("flush", self._flushes),
-                             timeout=max(deadline - time.monotonic(), 0))
+            self._enqueue(("flush", self._flushes), timeout=max(deadline - time.monotonic(), 0))
         except queue.Full:
             self._unavailable()
         while True:
