@@ -813,8 +813,8 @@ class WorkerConnector:
             pieces, p = [], 0
             while p < len(keys):
                 where = at.get(keys[p])
-                if where is None:  # completed in a tail this step
-                    pieces.append(published[keys[p]])
+                if where is None:  # in no run: one block
+                    pieces.append(block(keys[p]))
                     p += 1
                     continue
                 run_keys, n, run = where
