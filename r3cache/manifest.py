@@ -48,6 +48,13 @@ class Completion(NamedTuple):
         return max(self.num_tokens - 1 - self.prompt_start, 0)
 
 
+def is_completion(value: object) -> bool:
+    """Whether ``value`` is two counts: a prompt start and a number of tokens."""
+    return isinstance(value, tuple) and len(value) == 2 and all(
+        isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
+        for n in value)
+
+
 class BlockRef(NamedTuple):
     """Rows ``start:stop`` of the stored block ``key``."""
 
@@ -160,10 +167,7 @@ class Manifest:
             raise LayoutMismatchError(f"{where} is for layout {self.fingerprint!r:.80}, the "
                                       f"store's is {layout.fingerprint}")
         completion = self.completion
-        counts = isinstance(completion, tuple) and len(completion) == 2 and all(
-            isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
-            for n in completion)
-        if not counts:
+        if not is_completion(completion):
             raise ContractError(f"{where}: completion {completion!r:.80} is not two counts "
                                 "(prompt start, number of tokens)")
         segments = self.segments

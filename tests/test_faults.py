@@ -442,3 +442,93 @@ def test_a_stall_costs_the_engine_one_store_wait_not_one_per_call(writer, layout
                 "it full raises after store_wait (1 s); the next step and close() at once",
                 f"refused after {first:.2f} s; next step {again:.3f} s; close() "
                 f"{closing:.3f} s")
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_refused_step_is_retried_whole_once_redis_is_back(writer, layout, reliability):
+    """Redis stalls until a store call is refused (new blocks, or the pins of their keys);
+    it comes back and the engine goes on. The next calls carry what was refused, once:
+    every request receives its exact rows, Redis holds each block it received with its
+    rows and one hold of this owner (the local tier one pin), and nothing once they end."""
+    import hashlib
+
+    from r3cache import StepBatch, StepMetadata, WorkerConnector
+    from r3cache.errors import StoreUnavailableError
+    from r3cache.sim import oracle_rows
+    from r3cache.store.redis.janitor import holders
+
+    bs, steps = layout.block_size, 50_000
+    requests = ["a", "b"]
+    oracle = oracle_rows(list(range(steps * bs)), layout)
+    keys: dict[str, list[str]] = {r: [] for r in requests}
+    received: dict[str, list] = {r: [] for r in requests}
+    refused: list[int] = []
+    with RedisServer() as server:
+        store = open_store(server.url, layout=layout, namespace=f"refused-{writer}",
+                           idle_ttl=120)
+        worker = WorkerConnector(layout=layout, store=store, writer=writer, max_num_seqs=2,
+                                 store_wait=0.5)
+        remote = worker.store.remote
+        owner = getattr(remote, "owner", None) or remote.inner.owner
+
+        def call(n: int, method, *args):
+            """The engine goes on past a refused call (its effects on the worker stand)."""
+            try:
+                return method(*args)
+            except StoreUnavailableError:
+                refused.append(n)
+                server.process.send_signal(signal.SIGCONT)
+                return None
+
+        def step(n: int) -> None:  # each request runs one whole block, keyed at once
+            hashes = {r: [hashlib.sha256(f"{r}{n}".encode()).digest()] for r in requests}
+            call(n, worker.begin_step, StepMetadata(
+                0, dict.fromkeys(requests, 0) if n == 0 else {}, hashes, ()))
+            for r in requests:
+                keys[r].append(hashes[r][0].hex())
+            pending = worker.prepare_output(
+                StepBatch(requests, np.array([n * bs] * 2), np.array([0, bs, 2 * bs])),
+                routed_experts=np.concatenate([oracle[n * bs : (n + 1) * bs]] * 2))
+            pending.enqueue_cpu_copy([1, 1], [0, 0])
+            for r, out in (call(n, worker.process_output, pending) or {}).items():
+                received[r].append((out.token_start, out.rows))
+
+        step(0)
+        worker.store.flush()
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            n = 1
+            while not refused:  # until the writer's queue (or socket) is full
+                step(n)
+                n += 1
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        time.sleep(0.6)  # the writer moves again
+        for _ in range(3):
+            step(n)
+            n += 1
+        n -= 1  # the last step
+        worker.store.flush()
+        for r in requests:
+            starts = [start for start, _ in received[r]]
+            rows = np.concatenate([rows for _, rows in received[r]])
+            assert starts[0] == 0 and rows.shape[0] == (n + 1) * bs
+            np.testing.assert_array_equal(rows, oracle[: (n + 1) * bs])
+        every = [k for r in requests for k in keys[r]]
+        probe = open_store(server.url, layout=layout, namespace=f"refused-{writer}",
+                           lease=False, janitor=False)
+        np.testing.assert_array_equal(probe.get_concatenated(keys["a"]), oracle[: (n + 1) * bs])
+        assert len(holders(probe)[owner]) == len(every)
+        assert {k: worker.store.local.refcount(k) for k in every} == dict.fromkeys(every, 1)
+        worker.begin_step(StepMetadata(0, {}, {}, requests))
+        worker.store.flush()
+        assert worker.store.local.stats().referenced_keys == 0
+        assert owner not in holders(probe)
+        probe.close()
+        worker.close()
+    reliability(f"Redis stalled (SIGSTOP) until a store call is refused, then back; "
+                f"{writer} writer", f"2 requests, a new keyed block each a step, {n + 1} "
+                "steps", "the engine goes on: exact rows online, every block in Redis with "
+                "one hold (one local pin), none after the requests end",
+                f"{len(refused)} call(s) refused at step {refused[0]}; "
+                f"{len(every)} blocks held once each; 0 after")

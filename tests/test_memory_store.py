@@ -174,16 +174,16 @@ def test_a_finishing_request_hands_its_pins_to_its_manifest():
                         [BlockRef(k, 0, 4) for k in held])
 
     # Exactly the keys it releases: the pins pass over, no key is ever unpinned.
-    first, last = s.put({}, (), keys[::-1], [manifest("r1", keys)])
+    first, last, _ = s.put({}, (), keys[::-1], [manifest("r1", keys)])
     assert (first, last) == ([], []) and [s._refs[k] for k in keys] == [1, 1, 1]
     assert s.stats().pinned_blocks == 3 and not s._idle
     # A request that releases more than its manifest holds: applied key by key.
     s.put({"d": blk(5)}, retain_keys=["a", "d"])
-    first, last = s.put({}, (), ["d", "a"], [manifest("r2", ["a"])])
+    first, last, _ = s.put({}, (), ["d", "a"], [manifest("r2", ["a"])])
     assert last == ["d"] and s._refs["a"] == 2 and list(s._idle) == ["d"]
     # A manifest replacing one under the same id: applied key by key too.
     s.put({}, ["b"])
-    first, last = s.put({}, (), ["b"], [manifest("r1", ["b"])])
+    first, last, _ = s.put({}, (), ["b"], [manifest("r1", ["b"])])
     assert s._refs == {"a": 1, "b": 1}
     assert s.release_manifests(["r1", "r2"]) == 2
     assert s.stats().pinned_blocks == 0 and list(s._idle) == ["d", "c", "b", "a"]
@@ -242,3 +242,40 @@ def test_random_puts_under_memory_pressure_keep_every_invariant(seed):
         assert s._idle_bytes == sum(s._blocks[k].nbytes for k in s._idle)
         assert min(s._refs.values(), default=1) > 0
         assert all(k in s._refs for m in s._manifests.values() for k in m.block_keys)
+
+
+def test_a_put_that_fits_once_its_own_releases_apply_is_stored():
+    """A full store of pinned blocks takes a new block in the put that releases one of
+    them for good; one it still pins, or whose release another pin outlives, stays."""
+    s = store(blocks=2)
+    s.put({"a": blk(1), "b": blk(2)}, retain_keys=["a", "b", "b"])
+    with pytest.raises(StoreFullError):
+        s.put({"c": blk(3)}, release_keys=["b"])  # b keeps a pin: nothing fits
+    with pytest.raises(StoreFullError):
+        s.put({"c": blk(3)}, retain_keys=["a"], release_keys=["a"])
+    assert s._refs == {"a": 1, "b": 2}
+    s.put({"c": blk(3)}, release_keys=["b", "a", "b"])
+    assert set(s._blocks) == {"b", "c"} and list(s._idle) == ["c", "b"]  # a went first
+    assert s._used == 2 * LAYOUT.block_nbytes and s._idle_bytes == s._used
+    np.testing.assert_array_equal(s.get_concatenated(["c"]), blk(3))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_undoing_a_puts_pins_restores_every_count(seed):
+    """What a tier does when its durable store refuses a put: the pins and releases it
+    applied, duplicates and releases of unheld keys included, are taken back exactly."""
+    rng = np.random.default_rng(seed)
+    s = store(blocks=8)
+    keys = [f"k{i}" for i in range(6)]
+    s.put({k: blk(i) for i, k in enumerate(keys[:4])},
+          retain_keys=[keys[i] for i in rng.integers(0, 6, 6)])
+    for _ in range(10):
+        retain = [keys[i] for i in rng.integers(0, 6, int(rng.integers(0, 5)))]
+        release = [keys[i] for i in rng.integers(0, 6, int(rng.integers(0, 5)))]
+        before = dict(s._refs)
+        changes = s.put({}, retain, release)
+        s.undo_pins(retain, release, changes)
+        assert s._refs == before
+        assert set(s._idle) == {k for k in s._blocks if k not in s._refs}
+        assert s._idle_bytes == len(s._idle) * LAYOUT.block_nbytes
+        s.put({}, retain, release)  # applied for good, the next round starts from there

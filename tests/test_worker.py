@@ -241,6 +241,59 @@ def test_a_refused_put_keeps_the_blocks_it_was_to_store(layout):
     h.worker.close()
 
 
+def test_a_refused_step_loses_nothing_when_the_engine_goes_on(layout):
+    """A step whose put the store refuses (full of another request's pinned blocks) raises
+    and changes nothing. The engine goes on: the next call carries the refused blocks with
+    a finishing request's releases, which make the room, and the next output holds the
+    rows the refused step owed."""
+    h = Harness(layout, max_bytes=2 * layout.block_nbytes)
+    h.add("a", TOKENS)
+    h.add("b", TOKENS[::-1])
+    h.begin({"a": 0, "b": 0}, {"a": h.hashes("a", 0, 2)})
+    h.step([("a", 0, 9), ("b", 0, 3)], sampled=[1, 1])  # a's two blocks fill the store
+    h.begin({}, {"b": h.hashes("b", 0, 1)})
+    with pytest.raises(StoreFullError):
+        h.step([("b", 3, 3)], sampled=[1])  # completes b's first block
+    assert [h.refcount(k) for k in h.keys("a", 0, 2) + h.keys("b", 0, 1)] == [1, 1, 1]
+    h.begin(finished=["a"])
+    assert_output(h.step([("b", 6, 1)], sampled=[1])["b"], h, "b", 3, 7)
+    np.testing.assert_array_equal(h.store.get_concatenated(h.keys("b", 0, 1)),
+                                  h.rows("b", 0, 4))
+    assert [h.refcount(k) for k in h.keys("a", 0, 2) + h.keys("b", 0, 1)] == [0, 0, 1]
+    h.worker.close()
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_completion_naming_rows_the_request_never_had_is_refused_before_any_change(
+        layout, in_flight):
+    """A completion that is not two counts, or that names rows the worker neither captured
+    (nor will, in a step in flight) nor has a block hash for, is a MetadataError before
+    anything changes; the engine's corrected finish then records the manifest."""
+    h = Harness(layout, max_concurrent_batches=2)
+    h.add("r", TOKENS)
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 2)})
+    pending = h.prepare([("r", 0, 9)])
+    pending.enqueue_cpu_copy([1], [0])
+    if not in_flight:
+        h.worker.process_output(pending)
+
+    def finish(completion):
+        h.worker.begin_step(StepMetadata(0, {}, {}, ("r",), completions={"r": completion}))
+
+    for bad in (Completion(0, 11), Completion(-1, 5), ("x", 5), (0, 5, 1), (True, 5)):
+        with pytest.raises(MetadataError, match="completion of request 'r'"):
+            finish(bad)
+        assert h.worker.num_requests == 1 and not h.worker._table.finishing
+    finish((0, 10))  # a plain tuple: rows 0..8, all captured
+    if in_flight:
+        assert h.worker.num_requests == 1  # torn down once its step is processed
+        h.worker.process_output(pending)
+    (manifest,) = h.store.get_manifests(["r"])
+    assert manifest.completion == Completion(0, 10) and h.worker.num_requests == 0
+    assert [h.refcount(k) for k in h.keys("r", 0, 2)] == [1, 1]  # the manifest's holds
+    h.worker.close()
+
+
 def test_packed_hashes_key_blocks_as_the_hashes_one_by_one(harness):
     """vLLM ships a request's new hashes concatenated: the same keys, the same rows."""
     h = harness

@@ -25,7 +25,14 @@ from r3cache.errors import (
     R3Error,
 )
 from r3cache.layout import RoutingLayout
-from r3cache.manifest import BlockRef, BlockSpan, Manifest, check_request_id
+from r3cache.manifest import (
+    BlockRef,
+    BlockSpan,
+    Completion,
+    Manifest,
+    check_request_id,
+    is_completion,
+)
 from r3cache.metrics import SOURCES
 from r3cache.store.base import BlockStore
 from r3cache.store.memory import MemoryBlockStore
@@ -237,6 +244,9 @@ class WorkerConnector:
         # keyed once they are accepted), stored by the next store call for the same reason.
         # Until then a read finds them nowhere but here: every read puts them first.
         self._unput: dict[str, np.ndarray] = {}
+        # The releases and manifests of a store call that was refused (the store changed
+        # nothing), carried by the next one with its pins and blocks (kept above).
+        self._unsent: tuple[list[str], list[Manifest]] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -288,6 +298,8 @@ class WorkerConnector:
                                 f"connector{more}")
         new_keys = keys_by_request(metadata.block_hashes)
         with self._lock:
+            if metadata.completions:  # under the lock: it reads the steps in flight
+                self._check_completions(metadata.completions, new_keys)
             release: list[str] = []
             if reset:
                 # A prefix-cache reset: only legal once all model output is consumed.
@@ -312,7 +324,7 @@ class WorkerConnector:
                 slot = table.lookup(req_id)
                 table.finishing.add(slot)
                 if self.record_manifests and req_id in metadata.completions:
-                    table.completion[slot] = metadata.completions[req_id]
+                    table.completion[slot] = Completion(*map(int, metadata.completions[req_id]))
                     table.record_as[slot] = metadata.record_as.get(req_id)
                 if not self._in_flight(slot):
                     teardown.append(slot)
@@ -320,6 +332,26 @@ class WorkerConnector:
             # stores the blocks they key.
             if not req_ids or teardown or release:
                 self._teardown(teardown, release)
+
+    def _check_completions(self, completions, new_keys: dict[str, list[str]]) -> None:
+        """Each completion is two counts, and its manifest names no row the request will
+        not have: rows captured, or to be by a step in flight, or in blocks with a hash."""
+        table, bs = self._table, self.layout.block_size
+        for req_id, completion in completions.items():
+            if not is_completion(completion):
+                raise MetadataError(f"completion of request {req_id!r}: {completion!r:.80} is "
+                                    "not two counts (prompt start, number of tokens)")
+            start, end = completion[0], completion[1] - 1  # the last token routes nothing
+            if end <= start:
+                continue
+            slot = table.lookup(req_id)
+            keyed = (int(table.nkeys[slot]) + len(new_keys.get(req_id, ()))) * bs
+            running = [int(p.token_starts[i] + p.counts[i]) for p in self._inflight
+                       for i in np.flatnonzero(p.slots == slot).tolist()]
+            if end > max(keyed, int(table.capture[slot]), *running):
+                raise MetadataError(
+                    f"completion of request {req_id!r} names rows up to {end}; the worker "
+                    f"has rows up to {max(keyed, int(table.capture[slot]), *running, 0)}")
 
     def _in_flight(self, slot: int) -> bool:
         """Whether a step prepared and not yet processed covers the slot."""
@@ -381,18 +413,28 @@ class WorkerConnector:
     def _put(self, objects, release=(), manifests=()) -> None:
         """One store call: the keys requests received since the last one are pinned first
         (a put pins before it stores and unpins), and the parked blocks keyed since then
-        are stored with ``objects``."""
-        retain = self._unpinned
-        if self._unput:
-            objects = {**self._unput, **objects}
+        are stored with ``objects``. A refused call changes nothing in the store: all it
+        carried goes with the next call, so an engine that goes on loses nothing."""
+        retain, unput = self._unpinned, self._unput
+        if unput:
+            objects = {**unput, **objects}
+        if self._unsent:
+            release, manifests = (self._unsent[0] + [*release],
+                                  self._unsent[1] + [*manifests])
         if objects or retain or release or manifests:
             try:
                 self.store.put(objects, retain, release, manifests)
             except R3Error as exc:
                 self.stats.errors[type(exc).__name__] += 1
-                raise  # nothing was written: the next call pins and stores them
+                # Copies (parked blocks are already): blocks may be views of tails or of
+                # the step's rows, manifests of a tail, which later steps write into.
+                self._unput = {key: unput[key] if key in unput else block.copy()
+                               for key, block in objects.items()}
+                self._unsent = ([*release], [m.own_copy() for m in manifests])
+                raise
             self._unpinned = []
             self._unput = {}
+            self._unsent = None
             self.stats.blocks_published += len(objects)
             self.stats.manifests += len(manifests)
 
@@ -409,8 +451,8 @@ class WorkerConnector:
         release = list(release)
         for s in slots:
             release += reversed(table.keys[s])
+        table.free(slots)  # what the call carries stays the worker's if it is refused
         self._put({}, release, manifests)
-        table.free(slots)
 
     def _manifest(self, slot: int) -> Manifest:
         """The request's rows by reference: keyed whole blocks in one slice of its keys,

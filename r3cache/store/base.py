@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -58,7 +58,7 @@ def check_put(layout: RoutingLayout, objects: Mapping[str, np.ndarray],
         raise ContractError(f"objects must map keys to blocks, not {type(objects).__name__}")
     for name, keys in (("retain_keys", retain_keys), ("release_keys", release_keys),
                        ("manifests", manifests)):
-        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Collection):
             raise ContractError(f"{name} must be a collection, not {type(keys).__name__}")
     if blocks:
         layout.check_blocks(objects)

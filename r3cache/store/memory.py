@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import filterfalse, islice, repeat
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,6 +17,14 @@ from r3cache.manifest import Manifest, check_request_id
 from r3cache.store.base import StoreStats, check_key_types, check_put
 
 DEFAULT_MAX_BYTES = 1 << 30
+
+
+class PinChanges(NamedTuple):
+    """What one put did to the pins, in call order."""
+
+    first: list[str]  # keys it pinned from no pin
+    last: list[str]  # keys whose last pin it dropped, or that it released with none
+    unheld: list[str]  # of those, the ones it released with none: nothing changed
 
 
 class MemoryBlockStore:
@@ -50,10 +59,9 @@ class MemoryBlockStore:
         retain_keys: Collection[str] = (),
         release_keys: Sequence[str] = (),
         manifests: Sequence[Manifest] = (),
-    ) -> tuple[list[str], list[str]]:
-        """Store blocks, then pin, then unpin; returns the keys this call pinned from no
-        pin and the keys whose last pin it dropped, in call order (a tier in front of a
-        durable store forwards only those)."""
+    ) -> PinChanges:
+        """Store blocks, then pin, then unpin; returns what that did to the pins (a tier in
+        front of a durable store forwards only the first and last ones)."""
         check_put(self.layout, objects, retain_keys, release_keys, manifests)
         with self._lock:
             self._check_open()
@@ -69,7 +77,8 @@ class MemoryBlockStore:
             if self._used + nbytes > self.max_bytes:  # checked above: raises, or evicts
                 # Blocks the put names stay: it pins them, or compares them as duplicates.
                 freed = self._reserve(nbytes, [*retain_keys, *held,
-                                               *(k for m in manifests for k in m.block_keys)])
+                                               *(k for m in manifests for k in m.block_keys)],
+                                      release_keys)
             first = self._retain(retain_keys)
             self._insert(new, freed)
             for key in held:
@@ -85,8 +94,27 @@ class MemoryBlockStore:
                 if replaced is not None:
                     self._release(reversed(replaced.block_keys))
                 self._manifests[manifest.request_id] = manifest.own_copy()
-            last = self._release(release_keys)
-        return first, last
+            last, unheld = self._release(release_keys)
+        return PinChanges(first, last, unheld)
+
+    def undo_pins(self, retain_keys: Collection[str], release_keys: Sequence[str],
+                  changes: PinChanges) -> None:
+        """Take back the pins and releases of the put (without manifests) that returned
+        ``changes``; its blocks stay, as they are immutable. A tier whose durable store
+        refused that put leaves the counts as they were, so the caller's retry pins each
+        key once."""
+        unheld = Counter(changes.unheld)
+        dropped = []  # the releases that dropped a pin
+        for key in release_keys:
+            if unheld[key]:
+                unheld[key] -= 1
+            else:
+                dropped.append(key)
+        with self._lock:
+            self._check_open()
+            # Pinned again first: then no count reaches zero before the put's own pins go.
+            self._retain(dropped)
+            self._release(reversed(list(retain_keys)))
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         request_ids = [check_request_id(r) for r in request_ids]
@@ -104,30 +132,51 @@ class MemoryBlockStore:
                 self._release(reversed(manifest.block_keys))
             return len(found)
 
-    def _reserve(self, nbytes: int, retain_keys: Collection[str]) -> list[np.ndarray]:
+    def _reserve(self, nbytes: int, retain_keys: Collection[str],
+                 release_keys: Sequence[str]) -> list[np.ndarray]:
         """Evict idle blocks until ``nbytes`` fit, or raise before changing anything;
         returns the evicted blocks' arrays, for the new blocks to be copied into.
 
-        A full store evicts a block for each it stores (a prefill step's hundreds): the
-        victims are picked and removed by C iteration, the counts updated once.
+        When the idle blocks are not enough, the blocks this put's releases leave with no
+        pin go too, in release order: idle by the end of the put, they would be evicted
+        next. A full store evicts a block for each it stores (a prefill step's hundreds):
+        the victims are picked and removed by C iteration, the counts updated once.
         """
         size = self.layout.block_nbytes  # check_blocks: every block is whole
         idle = self._idle
         retained = {k for k in retain_keys if k in idle}
         evictable = self._idle_bytes - len(retained) * size
-        if self._used - evictable + nbytes > self.max_bytes:
-            raise StoreFullError(
-                f"namespace {self.namespace!r}: {nbytes} new bytes do not fit in "
-                f"{self.max_bytes} with {self._used - evictable} bytes pinned; nothing was written"
-            )
         count = -(-(self._used + nbytes - self.max_bytes) // size)
+        released = []
+        if count * size > evictable:
+            released = self._released_for_good(release_keys, set(retain_keys))
+            if count * size > evictable + len(released) * size:
+                raise StoreFullError(
+                    f"namespace {self.namespace!r}: {nbytes} new bytes do not fit in "
+                    f"{self.max_bytes} with {self._used - evictable} bytes pinned; nothing "
+                    "was written")
         # Oldest release first; blocks this batch is about to pin keep their place.
         victims = list(islice(filterfalse(retained.__contains__, idle), count))
         deque(map(idle.__delitem__, victims), maxlen=0)
+        self._idle_bytes -= len(victims) * size
+        victims += released[: count - len(victims)]
         freed = list(map(self._blocks.pop, victims))
         self._used -= count * size
-        self._idle_bytes -= count * size
         self._evictions += count
+        return freed
+
+    def _released_for_good(self, release_keys: Sequence[str], kept: set[str]) -> list[str]:
+        """Stored, pinned keys that ``release_keys`` leave with no pin, in the order their
+        last pin goes (``kept``: keys the put pins or compares, which stay)."""
+        refs, blocks = self._refs, self._blocks
+        left: dict[str, int] = {}
+        freed = []
+        for key in release_keys:
+            if key in blocks and key not in kept:
+                count = left.get(key, refs.get(key, 0))
+                if count == 1:
+                    freed.append(key)
+                left[key] = count - 1
         return freed
 
     def _insert(self, new: Mapping[str, np.ndarray], freed: list[np.ndarray]) -> None:
@@ -171,10 +220,11 @@ class MemoryBlockStore:
         self._idle_bytes -= unidled * self.layout.block_nbytes  # every block is whole
         return first
 
-    def _release(self, keys: Iterable[str]) -> list[str]:
-        """Unpin ``keys``; returns those that now have no pin (also when they had none)."""
+    def _release(self, keys: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Unpin ``keys``; returns those that now have no pin, and of them the ones that had
+        none before."""
         refs, blocks, idle = self._refs, self._blocks, self._idle
-        last = []
+        last, unheld = [], []
         idled = 0
         for key in keys:
             # Counts never go negative: releasing an unheld key changes nothing.
@@ -183,11 +233,13 @@ class MemoryBlockStore:
                 refs[key] = count - 1
                 continue
             last.append(key)
-            if count == 1 and key in blocks:
+            if not count:
+                unheld.append(key)
+            elif key in blocks:
                 idle[key] = None  # pinned until now, so not idle before
                 idled += 1
         self._idle_bytes += idled * self.layout.block_nbytes
-        return last
+        return last, unheld
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         with self._lock:

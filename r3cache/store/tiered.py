@@ -49,14 +49,21 @@ class TieredBlockStore:
         # Before the local tier applies the pins; its put checks the blocks first.
         check_put(self.layout, objects, retain_keys, release_keys, manifests, blocks=False)
         try:
-            first, last = self.local.put(objects, retain_keys, release_keys)
+            changes = self.local.put(objects, retain_keys, release_keys)
         except StoreFullError:
             # The local tier is a cache: pins still count, the bytes stay remote only.
-            first, last = self.local.put({}, retain_keys, release_keys)
+            changes = self.local.put({}, retain_keys, release_keys)
         # The local tier counts every pin; the durable store holds a key for this owner
         # while that count is above zero. Only crossings of zero travel: a prompt shared
         # by eight requests is one hold in Redis, not eight (and one release).
-        self.remote.put(objects, first, last, manifests)
+        try:
+            self.remote.put(objects, changes.first, changes.last, manifests)
+        except BaseException:
+            # The writer took none of the pins (they ride on a put's last message): a put
+            # that raises changes no count, or the caller's retry would pin twice, and the
+            # durable store would never see those keys' first pins.
+            self.local.undo_pins(retain_keys, release_keys, changes)
+            raise
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         try:
