@@ -532,3 +532,59 @@ def test_a_refused_step_is_retried_whole_once_redis_is_back(writer, layout, reli
                 "one hold (one local pin), none after the requests end",
                 f"{len(refused)} call(s) refused at step {refused[0]}; "
                 f"{len(every)} blocks held once each; 0 after")
+
+
+def test_a_refused_deferred_teardown_keeps_the_steps_outputs(layout, reliability):
+    """A request finishes while its step is in flight; Redis stalls, and the step's own
+    put takes the writer queue's last place, so the teardown's call is refused. The step's
+    rows are still returned (the request owns them), and the next store call writes the
+    manifest the refused call held: the trainer reads exactly the rows the engine got."""
+    from r3cache import StepBatch, StepMetadata, WorkerConnector
+    from r3cache.manifest import Completion
+    from r3cache.sim import oracle_rows
+
+    bs = layout.block_size
+    tokens = list(range(3 * bs + 1))
+    rows = oracle_rows(tokens, layout)
+    hashes = [bytes([b]) * 32 for b in range(3)]
+    with RedisServer() as server:
+        store = open_store(server.url, layout=layout, namespace="deferred", idle_ttl=120)
+        # One request: the writer queue holds two puts beside the one being written.
+        worker = WorkerConnector(layout=layout, store=store, writer="thread", max_num_seqs=1,
+                                 max_concurrent_batches=2, store_wait=0.3)
+
+        def prepare(block: int):
+            pending = worker.prepare_output(
+                StepBatch(["r"], np.array([block * bs]), np.array([0, bs])),
+                routed_experts=rows[block * bs : (block + 1) * bs])
+            pending.enqueue_cpu_copy([1], [0])
+            return pending
+
+        worker.begin_step(StepMetadata(0, {"r": 0}, {"r": hashes[:1]}, ()))
+        first = worker.process_output(prepare(0))["r"]
+        worker.store.flush()
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            worker.begin_step(StepMetadata(0, {}, {"r": hashes[1:2]}, ()))  # taken, stuck
+            time.sleep(0.2)
+            in_flight = prepare(1)
+            worker.begin_step(StepMetadata(0, {}, {"r": hashes[2:3]}, ()))  # queued
+            # Finished while its step is in flight: torn down when that step is processed.
+            worker.begin_step(StepMetadata(0, {}, {}, ("r",),
+                                           completions={"r": Completion(0, 2 * bs + 1)}))
+            began = time.monotonic()
+            second = worker.process_output(in_flight)["r"]  # its put fills the queue
+            took = time.monotonic() - began
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        assert took >= 0.25  # the teardown's call waited store_wait, and was refused
+        assert worker.stats.errors["StoreUnavailableError"] == 1
+        np.testing.assert_array_equal(np.concatenate([first.rows, second.rows]),
+                                      rows[: 2 * bs])
+        worker.close()  # carries the refused releases and manifest
+        with R3Reader(server.url, namespace="deferred") as reader:
+            np.testing.assert_array_equal(reader.get("r"), rows[: 2 * bs])
+    reliability("Redis stalled (SIGSTOP) as a request finishes with its step in flight; "
+                "thread writer", "1 request, the writer queue full after the step's own put",
+                "the step's rows returned; the refused teardown carried by the next call",
+                f"teardown refused after {took:.2f} s; {len(second.rows)} rows returned")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import operator
 import threading
 from collections import defaultdict, deque
@@ -23,6 +24,8 @@ from r3cache.errors import (
     LayoutMismatchError,
     MetadataError,
     R3Error,
+    StoreFullError,
+    StoreUnavailableError,
 )
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import (
@@ -40,6 +43,8 @@ from r3cache.store.tiered import TieredBlockStore
 from r3cache.store.writers import choose_writer
 from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import spawn_writer
+
+log = logging.getLogger("r3cache.worker")
 
 # Above this many rows per request a step's tails are filled request by request (two
 # slices each) rather than through per-row index arrays.
@@ -562,7 +567,6 @@ class WorkerConnector:
         Teardown deferred by begin_step completes here once no in-flight step
         covers the request; its keys are released tail block first.
         """
-        table = self._table
         if pending.host_copy is not None:
             pending._await_copy()  # waits on this step's copy event, outside the lock
         with self._lock:
@@ -572,15 +576,29 @@ class WorkerConnector:
                 raise InvalidBatchError("enqueue_cpu_copy was not called for this step")
             try:
                 outputs = self._commit(pending)
-            finally:
-                self._inflight.popleft()
-                slots = pending.slots
-                if table.finishing:
-                    done = [s for s in slots.tolist()
-                            if s in table.finishing and not self._in_flight(s)]
-                    if done:
-                        self._teardown(done)
+            except BaseException:
+                self._step_done(pending)
+                raise
+            try:
+                self._step_done(pending)
+            except (StoreUnavailableError, StoreFullError) as exc:
+                # The outputs are the requests' own (their emit cursors moved): returned.
+                # The refused teardown stays the worker's, and the next store call carries
+                # it (and raises in its turn while the store still refuses).
+                log.warning("r3cache: finished requests' releases and manifests wait for "
+                            "the next store call: %s", exc)
         return outputs
+
+    def _step_done(self, pending: PendingOutput) -> None:
+        """Take a processed step off the queue, and tear down the finished requests that
+        only it still covered."""
+        self._inflight.popleft()
+        table = self._table
+        if table.finishing:
+            done = [s for s in pending.slots.tolist()
+                    if s in table.finishing and not self._in_flight(s)]
+            if done:
+                self._teardown(done)
 
     def _commit(self, pending: PendingOutput) -> dict[str, RequestOutput]:
         table = self._table
