@@ -353,10 +353,10 @@ class WorkerConnector:
             keyed = (int(table.nkeys[slot]) + len(new_keys.get(req_id, ()))) * bs
             running = [int(p.token_starts[i] + p.counts[i]) for p in self._inflight
                        for i in np.flatnonzero(p.slots == slot).tolist()]
-            if end > max(keyed, int(table.capture[slot]), *running):
-                raise MetadataError(
-                    f"completion of request {req_id!r} names rows up to {end}; the worker "
-                    f"has rows up to {max(keyed, int(table.capture[slot]), *running, 0)}")
+            have = max(keyed, int(table.capture[slot]), *running)
+            if end > have:
+                raise MetadataError(f"completion of request {req_id!r} names rows up to "
+                                    f"{end}; the worker has rows up to {have}")
 
     def _in_flight(self, slot: int) -> bool:
         """Whether a step prepared and not yet processed covers the slot."""
