@@ -21,6 +21,7 @@ from r3cache.errors import (
     ContractError,
     InvalidBatchError,
     LayoutError,
+    MetadataError,
     StoreFullError,
     StoreUnavailableError,
 )
@@ -620,13 +621,19 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
                                   routed_experts=good)
         with pytest.raises(ContractError):
             worker.begin_step(StepMetadata(0, {"bad\ud800": 0}, {}, ()))
+        with pytest.raises(InvalidBatchError, match="'new': the emit start must be >= 0"):
+            worker.begin_step(StepMetadata(0, {"new": -3}, {}, ()))
+        with pytest.raises(MetadataError, match="finished twice"):  # its slot freed twice
+            worker.begin_step(StepMetadata(0, {}, {}, ("r", "r")))
+        assert worker.num_requests == 1
         # The request is untouched: its rows still start at 0.
         pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 5])),
                                         routed_experts=good)
         pending.enqueue_cpu_copy([1], [0])
         np.testing.assert_array_equal(worker.process_output(pending)["r"].rows, good)
         reliability("expert ID >= num_experts, an expert twice in a row, float positions, "
-                    "a request id with a lone surrogate", "one request",
+                    "a request id with a lone surrogate, a negative emit start, a request "
+                    "finished twice in one step", "one request",
                     "InvalidBatchError / ContractError before any state or store change",
                     "0 blocks stored; the request then runs from position 0")
     finally:

@@ -270,7 +270,10 @@ class WorkerConnector:
             raise GenerationError(
                 f"generation moved backwards from {self._generation} to {metadata.generation}"
             )
-        finished = set(metadata.finished_requests)
+        finishing = list(metadata.finished_requests)
+        finished = set(finishing)
+        if len(finished) != len(finishing):  # a slot freed twice would serve two requests
+            raise MetadataError("a request is listed as finished twice in one step")
         both = metadata.requests.keys() & finished
         if both:
             raise MetadataError(f"requests cannot run and finish in one step: {sorted(both)}")
@@ -288,6 +291,9 @@ class WorkerConnector:
                     check_request_id(req_id)
         req_ids = list(metadata.requests)
         emit_starts = _int_list(metadata.requests.values(), "emit starts")
+        if emit_starts and min(emit_starts) < 0:
+            bad = next(r for r, e in zip(req_ids, emit_starts) if e < 0)
+            raise InvalidBatchError(f"request {bad!r}: the emit start must be >= 0")
         # A step that lists no request (a hash-only update) has nothing to look up.
         slots = None if reset else (self._check_emit_starts(req_ids, emit_starts)
                                     if req_ids else [])
@@ -325,7 +331,7 @@ class WorkerConnector:
                 self._unpinned.extend(keys)
                 self._collect_keyed(slot, self._unput)
             teardown: list[int] = []
-            for req_id in metadata.finished_requests:
+            for req_id in finishing:
                 slot = table.lookup(req_id)
                 table.finishing.add(slot)
                 if self.record_manifests and req_id in metadata.completions:
