@@ -138,9 +138,10 @@ class MemoryBlockStore:
         returns the evicted blocks' arrays, for the new blocks to be copied into.
 
         When the idle blocks are not enough, the blocks this put's releases leave with no
-        pin go too, in release order: idle by the end of the put, they would be evicted
-        next. A full store evicts a block for each it stores (a prefill step's hundreds):
-        the victims are picked and removed by C iteration, the counts updated once.
+        pin go too, in the order their last pins go: idle by the end of the put, they
+        would be evicted next. A full store evicts a block for each it stores (a prefill
+        step's hundreds): the victims are picked and removed by C iteration, the counts
+        updated once.
         """
         size = self.layout.block_nbytes  # check_blocks: every block is whole
         idle = self._idle
@@ -170,14 +171,14 @@ class MemoryBlockStore:
         last pin goes (``kept``: keys the put pins or compares, which stay)."""
         refs, blocks = self._refs, self._blocks
         left: dict[str, int] = {}
-        freed = []
+        unpinned = []
         for key in release_keys:
             if key in blocks and key not in kept:
                 count = left.get(key, refs.get(key, 0))
                 if count == 1:
-                    freed.append(key)
+                    unpinned.append(key)
                 left[key] = count - 1
-        return freed
+        return unpinned
 
     def _insert(self, new: Mapping[str, np.ndarray], freed: list[np.ndarray]) -> None:
         """Store copies of checked whole blocks (a prefill step brings hundreds), by C
