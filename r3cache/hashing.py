@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import cbor2
+import numpy as np
 import xxhash
 
 from r3cache.errors import ContractError
@@ -78,7 +79,46 @@ def none_hash(seed: str = DEFAULT_SEED, algo: str = "sha256") -> bytes:
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int],
                       extra_keys: tuple | None = None, algo: str = "sha256") -> bytes:
-    return hasher(algo)((parent_hash, tuple(int(t) for t in token_ids), extra_keys))
+    """The hash of one block of ``token_ids`` after ``parent_hash``."""
+    return hasher(algo)((parent_hash, tuple(token_id_array(token_ids).tolist()), extra_keys))
+
+
+def token_id_array(token_ids: Any) -> np.ndarray:
+    """``token_ids`` as a flat int64 array, or a ContractError: token ids are ints in
+    ``0 .. 2**63 - 1``. Anything else would hash to a chain no engine wrote (a float, a
+    bool) or, wrapped into int64, to another sequence's (an id past 2**63)."""
+    try:
+        array = np.asarray(token_ids)
+    except (TypeError, ValueError, RuntimeError) as exc:  # a ragged list, a device tensor
+        raise ContractError(f"token ids must be a flat sequence of ints on the host: {exc}"
+                            ) from None
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ContractError(f"token ids must be a flat sequence of ints, not an array of "
+                            f"{array.dtype} with shape {array.shape}")
+    if array.size and (int(array.min()) < 0 or int(array.max()) > np.iinfo(np.int64).max):
+        raise ContractError(f"token ids must be in 0..{np.iinfo(np.int64).max}, got "
+                            f"{int(array.min())}..{int(array.max())}")
+    return array.astype(np.int64, copy=False)
+
+
+def _check_chain(block_size: int, seed: str, extra_keys_per_block: Any, blocks: int) -> None:
+    """Refuse a seed or extra keys that no engine hashes with: each would silently give a
+    chain of keys that are stored nowhere. An empty sequence of extra keys is none."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ContractError(f"block_size must be an int >= 1, not {block_size!r:.40}")
+    if not isinstance(seed, str):
+        raise ContractError(f"the hash seed must be a str (the engine's PYTHONHASHSEED), "
+                            f"not {seed!r:.40}")
+    if extra_keys_per_block is None:
+        return
+    if isinstance(extra_keys_per_block, (str, bytes)) or not isinstance(
+            extra_keys_per_block, Sequence) or 0 < len(extra_keys_per_block) < blocks:
+        raise ContractError(f"extra_keys_per_block must be a sequence of one tuple or None "
+                            f"per full block ({blocks}), not {extra_keys_per_block!r:.80}")
+    bad = next((e for e in extra_keys_per_block[:blocks]
+                if e is not None and not isinstance(e, tuple)), None)
+    if bad is not None:
+        raise ContractError(f"a block's extra keys are a tuple or None, not {bad!r:.80}")
 
 
 def block_hashes(
@@ -93,17 +133,23 @@ def block_hashes(
     """Hash chain over the full blocks of ``token_ids`` (a partial tail is not hashed).
 
     ``parent`` continues an existing chain (the last hash of the blocks before
-    ``token_ids``), so a caller can extend a request's hashes as tokens arrive.
+    ``token_ids``), so a caller can extend a request's hashes as tokens arrive. Every
+    argument is checked first (ContractError).
     """
     digest = hasher(algo)
+    # Python ints, as the engine hashes them: one conversion for the sequence.
+    ids = token_id_array(token_ids).tolist()
+    _check_chain(block_size, seed, extra_keys_per_block, len(ids) // block_size)
+    if parent is not None and not isinstance(parent, bytes):
+        raise ContractError(f"parent must be a block hash (bytes), not {parent!r:.40}")
     current = digest(seed) if parent is None else parent
-    # Python ints, as the engine hashes them: one conversion for the sequence (an
-    # array's tolist) rather than one int() per token.
-    ids = token_ids.tolist() if hasattr(token_ids, "tolist") else [int(t) for t in token_ids]
     hashes: list[bytes] = []
-    for index in range(len(ids) // block_size):
-        extra = extra_keys_per_block[index] if extra_keys_per_block else None
-        current = digest((current, tuple(ids[index * block_size : (index + 1) * block_size]),
-                          extra))
-        hashes.append(current)
+    try:
+        for index in range(len(ids) // block_size):
+            extra = extra_keys_per_block[index] if extra_keys_per_block else None
+            current = digest((current, tuple(ids[index * block_size : (index + 1) * block_size]),
+                              extra))
+            hashes.append(current)
+    except (pickle.PicklingError, cbor2.CBOREncodeError, TypeError, AttributeError) as exc:
+        raise ContractError(f"extra keys the {algo} hash cannot serialise: {exc}") from None
     return hashes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -81,9 +82,12 @@ class R3Reader:
             self.store = open_store(source, layout=None, namespace=namespace, lease=False,
                                     janitor=False, **options)
             self._owns_store = True
-        else:
+        elif isinstance(source, BlockStore):
             self.store = source
             self._owns_store = False
+        else:
+            raise ContractError(f"R3Reader reads a store URL or a BlockStore, not "
+                                f"{type(source).__name__}")
         self.layout: RoutingLayout = self.store.layout
         self.namespace = self.store.namespace
         self.stats = ReaderStats()
@@ -114,8 +118,9 @@ class R3Reader:
             raise ContractError("get_many takes a sequence of request ids, not one str")
         request_ids = [check_request_id(r) for r in request_ids]
         dtype, layers = self._selection(dtype, layers)
-        if not (isinstance(wait, (int, float)) and wait >= 0):
-            raise ContractError(f"wait must be a number of seconds >= 0, not {wait!r}")
+        if isinstance(wait, bool) or not (isinstance(wait, (int, float))
+                                          and 0 <= wait < math.inf):
+            raise ContractError(f"wait must be a finite number of seconds >= 0, not {wait!r}")
         began = time.perf_counter()
         try:
             routes = self._read(request_ids, dtype, layers, wait)
@@ -171,9 +176,15 @@ class R3Reader:
             if dtype.kind not in "iu" or np.iinfo(dtype).max < self.layout.num_experts - 1:
                 raise ContractError(f"dtype {dtype} cannot hold expert IDs up to "
                                     f"{self.layout.num_experts - 1}")
-        if layers is None or isinstance(layers, slice):
-            return dtype, layers
         count = self.layout.num_layers
+        if layers is None:
+            return dtype, layers
+        if isinstance(layers, slice):
+            try:
+                range(count)[layers]
+            except (TypeError, ValueError) as exc:  # a bound that is not an int, a step 0
+                raise ContractError(f"layers {layers}: {exc}") from None
+            return dtype, layers
         try:
             layers = [operator.index(x) for x in layers]
         except TypeError:
@@ -267,6 +278,15 @@ class R3Reader:
         import torch
 
         dtype = torch.int64 if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype):
+            raise ContractError(f"dtype must be a torch dtype (torch.int64, torch.int32), not "
+                                f"{dtype!r:.40}")
+        try:
+            device = None if device is None else torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ContractError(f"device {device!r:.40}: {exc}") from None
+        if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+            raise ContractError(f"device {device}: this process has no CUDA device")
         numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
         return [torch.from_numpy(rows).to(device=device)
                 for rows in self.get_many(request_ids, dtype=numpy_dtype, layers=layers)]

@@ -653,10 +653,29 @@ def test_reader_arguments_are_checked_before_reading(redis_url, namespace, relia
             for bad in (None, 3, "", "bad\ud800"):
                 with pytest.raises(ContractError):
                     reader.get(bad)
+            for kwargs in ({"layers": slice("a", None)}, {"layers": slice(None, None, 0)},
+                           {"wait": float("inf")}, {"wait": -1}):
+                with pytest.raises(ContractError):
+                    reader.get("r", **kwargs)
+            for kwargs in ({"dtype": np.int32}, {"dtype": "int32"}, {"device": "nowhere"}):
+                with pytest.raises(ContractError):
+                    reader.get_torch("r", **kwargs)
+            # Token ids no engine hashes would give another chain's routes, or none.
+            for tokens, kwargs in (([1.0, 2.0, 3.0, 4.0], {}), ([-1, 2, 3, 4], {}),
+                                   (np.full(4, 2**63, np.uint64), {}), ("abcd", {}),
+                                   ([1, 2, 3, 4], {"seed": 0}),
+                                   ([1, 2, 3, 4], {"extra_keys_per_block": 5})):
+                with pytest.raises(ContractError):
+                    reader.get_by_tokens(tokens, **kwargs)
             assert reader.get("r", layers=[-1], dtype="int64").shape == (4, 1, 2)
-        reliability("R3Reader.get with layers=[99], dtype='foo', None or a surrogate id",
+            assert reader.get("r", layers=slice(None, None, -1)).shape == (4, *LAYOUT.row_shape)
+        with pytest.raises(ContractError):
+            R3Reader(123)
+        reliability("R3Reader calls with layers=[99] or slice('a'), dtype='foo', wait=inf, "
+                    "a numpy dtype for torch, None or a surrogate id, float, negative or "
+                    "uint64 token ids, an int seed; R3Reader(123)",
                     "one recorded request", "ContractError before anything is read",
-                    "8/8 refused")
+                    "22/22 refused")
     finally:
         store.close()
 

@@ -1,6 +1,7 @@
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from r3cache.errors import ContractError
@@ -53,3 +54,26 @@ def test_chain_can_be_extended_block_by_block():
     head = block_hashes(tokens[:16], 16)
     assert head + block_hashes(tokens[16:48], 16, parent=head[-1]) == whole
     assert len(whole) == 3  # the partial tail is not hashed
+
+
+@pytest.mark.parametrize("tokens", [
+    [1.0, 2.0], [True, False], [-1, 2], [2**63, 1], [2**70, 1], [[1, 2]], "12", None,
+    np.array([2**63], np.uint64),  # int64 would wrap it to another sequence's -2**63
+], ids=repr)
+def test_token_ids_that_no_engine_hashes_are_refused(tokens):
+    with pytest.raises(ContractError, match="token ids"):
+        block_hashes(tokens, 2)
+
+
+def test_a_seed_or_extra_keys_no_engine_hashes_with_are_refused():
+    tokens = list(range(4))
+    assert block_hashes(np.array(tokens, np.int32), 2) == block_hashes(tokens, 2)
+    assert block_hashes(tokens, 2, extra_keys_per_block=[]) == block_hashes(tokens, 2)
+    for kwargs in ({"seed": 0}, {"extra_keys_per_block": [None]},
+                   {"extra_keys_per_block": ["lora", None]},
+                   {"extra_keys_per_block": [(lambda: 0,), None]},
+                   {"parent": "00"}):
+        with pytest.raises(ContractError):
+            block_hashes(tokens, 2, **kwargs)
+    with pytest.raises(ContractError):
+        block_hashes(tokens, 2, algo="sha256_cbor", extra_keys_per_block=[(object(),), None])

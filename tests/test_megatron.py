@@ -139,6 +139,15 @@ def test_mismatches_are_refused_before_any_target_is_set(groups, redis_url, name
     _refused(stack, routes, ReplayBatch(seq_len=10, names=ids), "req-1")
     _refused(stack, [r[..., :1] for r in routes], ReplayBatch(seq_len=16), "shape")
     _refused(stack, [r[:, :2] for r in routes], ReplayBatch(seq_len=16), "layers")
+    # Rows no router could have picked: truncated, wrapped or past the experts on a device.
+    _refused(stack, [r + 0.5 for r in routes], ReplayBatch(seq_len=16), "float64")
+    _refused(stack, [r.astype(np.int64) - 1 for r in routes], ReplayBatch(seq_len=16),
+             "8 experts")
+    _refused(stack, [np.where(r == r.max(), EXPERTS, r) for r in routes],
+             ReplayBatch(seq_len=16), "8 experts")
+    _refused(stack, [r[..., [0, 0]] for r in routes], ReplayBatch(seq_len=16), "twice")
+    _refused(stack, routes, ReplayBatch(seq_len=16.5), "seq_len")
+    _refused(stack, routes, ReplayBatch(cu_seqlens=[0.0, 12.5, 30.0]), "cu_seqlens")
     assert all(r.router_replay.target_topk_idx is None for r in stack.routers)
     _refused(Stack(groups, moe_router_fusion=True), routes, ReplayBatch(seq_len=16),
              "fusion")

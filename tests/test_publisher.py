@@ -119,6 +119,21 @@ def test_bad_input_is_refused_and_writes_nothing(case, publisher, store_url, lay
         assert reader.store.get_manifests(["bad"]) == [None]
 
 
+def test_token_ids_and_extra_keys_no_engine_hashes_are_refused(publisher, store_url, layout):
+    rows = _routes(layout, 10, seed=4)
+    # Past int64 a token id would wrap into another sequence's; a float or a negative id
+    # hashes to a chain no engine writes.
+    for tokens in (np.full(11, 2**63, np.uint64), [-1, *range(10)], [t + 0.5 for t in range(11)]):
+        with pytest.raises(InvalidBatchError, match="token ids"):
+            publisher.publish("bad", tokens, rows)
+    with pytest.raises(InvalidBatchError, match="extra_keys"):
+        publisher.publish("bad", list(range(11)), rows, extra_keys="lora-a")
+    publisher.flush()
+    with _reader(publisher, store_url) as reader:
+        assert reader.store.stats().blocks == 0
+        assert reader.store.get_manifests(["bad"]) == [None]
+
+
 @pytest.mark.parametrize("writer", ["process", "thread"])
 def test_a_record_edited_before_the_writer_stored_it_is_stored_as_published(
         tmp_path, namespace, layout, writer):

@@ -78,3 +78,31 @@ def test_a_verl_agent_loop_gets_one_rollouts_routes_by_request_id(recorded):
     assert out.shape == (lengths[2], 4, 2) and out.dtype == np.int16
     np.testing.assert_array_equal(out[:-1], routes[2])
     assert not out[-1].any()
+
+
+ROWS = np.ones((5, 4, 2), np.uint8)
+BAD_INPUT = {
+    # Rows no trainer could replay: truncated, wrapped or out of its dtype's range.
+    "verl float rows": lambda: to_verl([ROWS + 0.5], 8),
+    "verl negative IDs": lambda: to_verl([ROWS.astype(np.int16) - 2], 8),
+    "verl IDs past int16": lambda: to_verl([ROWS.astype(np.int32) + 40000], 8),
+    "verl one array": lambda: to_verl(ROWS, 8),
+    "verl layer out of range": lambda: to_verl([ROWS], 8, layers=[4]),
+    "verl layer not an int": lambda: to_verl([ROWS], 8, layers=["a"]),
+    "verl seq_len not an int": lambda: to_verl([ROWS], 8.0),
+    "verl offset not an int": lambda: to_verl([ROWS], 8, offsets=[0.5]),
+    "nemo float rows": lambda: to_nemo_rl([ROWS.astype(np.float64)], 64),
+    "nemo negative IDs": lambda: to_nemo_rl([ROWS.astype(np.int8) - 2], 64),
+    "nemo shapes differ": lambda: to_nemo_rl([ROWS, ROWS[:, :2]], 64, seq_len=8),
+    "nemo num_experts not an int": lambda: to_nemo_rl([ROWS], 64.0),
+    "nemo seq_len not an int": lambda: to_nemo_rl([ROWS], 64, seq_len=8.0),
+    "slime float rows": lambda: to_slime(ROWS + 0.7, 6),
+    "slime IDs past int32": lambda: to_slime(ROWS.astype(np.int64) + 2**40, 6),
+    "slime num_tokens not an int": lambda: to_slime(ROWS, 6.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_input_no_trainer_could_replay_is_a_contract_error(case):
+    with pytest.raises(ContractError):
+        BAD_INPUT[case]()

@@ -9,7 +9,7 @@ import numpy as np
 
 from r3cache.connector.worker import WorkerStats
 from r3cache.errors import ContractError, InvalidBatchError, LayoutMismatchError, R3Error
-from r3cache.hashing import DEFAULT_SEED, block_hashes
+from r3cache.hashing import DEFAULT_SEED, block_hashes, token_id_array
 from r3cache.layout import RoutingLayout, repeats_an_expert
 from r3cache.manifest import BlockSpan, Completion, Manifest, check_request_id
 from r3cache.metrics import SOURCES
@@ -78,12 +78,18 @@ class RequestPublisher:
         checked before anything is written.
         """
         check_request_id(request_id)
-        tokens = _token_array(token_ids)
+        try:
+            tokens = token_id_array(token_ids)
+        except ContractError as exc:
+            raise InvalidBatchError(f"request {request_id!r}: {exc}") from None
         if isinstance(prompt_start, bool) or not isinstance(prompt_start, (int, np.integer)) \
                 or not 0 <= prompt_start <= max(len(tokens) - 1, 0):
             raise InvalidBatchError(
                 f"request {request_id!r}: prompt_start must be an int in 0..{len(tokens) - 1}, "
                 f"not {prompt_start!r}")
+        if extra_keys is not None and not isinstance(extra_keys, tuple):
+            raise InvalidBatchError(f"request {request_id!r}: extra_keys must be a tuple or "
+                                    f"None, not {extra_keys!r:.80}")
         completion = Completion(int(prompt_start), len(tokens))
         owned = self._owned_rows(request_id, rows, completion.num_rows)
         bs = self.layout.block_size
@@ -142,9 +148,3 @@ class RequestPublisher:
         """Write what is pending and let the store go."""
         self.store.close()
 
-
-def _token_array(token_ids: Any) -> np.ndarray:
-    array = np.asarray(token_ids)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise InvalidBatchError("token_ids must be a flat sequence of integers")
-    return array.astype(np.int64, copy=False)

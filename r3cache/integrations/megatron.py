@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from r3cache.errors import ReplayError
+from r3cache.layout import repeats_by_columns
 
 
 @dataclass
@@ -76,6 +77,7 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
     if len(topk) != 1:
         raise ReplayError(f"routers disagree on top-k: {sorted(topk)}")
     (k,) = topk
+    experts = {int(r.config.num_moe_experts) for r in routers}
     columns = _columns(routers, layers)
     for name, rows in zip(names, routes):
         rows = np.asarray(rows)
@@ -85,6 +87,7 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
         if columns and max(columns) >= rows.shape[1]:
             raise ReplayError(f"routes of {name!r} hold {rows.shape[1]} layers; the model's "
                               f"routers need layer {max(columns)} ({layers!r} layers)")
+        _check_ids(name, rows, min(experts))
     grid = _token_grid(routes, batch, names)  # (tokens, sequence index, position) sources
     tokens = len(grid[0])
     if tp_size < 1 or not 0 <= tp_rank < tp_size or tokens % tp_size:
@@ -124,6 +127,21 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
                                          tp_rank=tp_rank, tp_size=tp_size)
 
 
+def _check_ids(name: str, rows: np.ndarray, num_experts: int) -> None:
+    """Rows a router could have picked: integer IDs below ``num_experts``, none twice in
+    one (token, layer). A float would be truncated into another expert, and an ID out of
+    range indexes past the router's experts on the device."""
+    if not rows.size:
+        return
+    if rows.dtype.kind not in "iu":
+        raise ReplayError(f"routes of {name!r} hold {rows.dtype}, not integer expert IDs")
+    if int(rows.min()) < 0 or int(rows.max()) >= num_experts:
+        raise ReplayError(f"routes of {name!r} hold expert IDs {int(rows.min())}.."
+                          f"{int(rows.max())}; the model's routers have {num_experts} experts")
+    if repeats_by_columns(rows):
+        raise ReplayError(f"routes of {name!r} name the same expert twice in one row")
+
+
 def _columns(routers: Sequence[Any], layers: str) -> list[int]:
     if layers == "moe":
         return list(range(len(routers)))
@@ -144,6 +162,8 @@ def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[st
         raise ReplayError("give ReplayBatch either seq_len (padded [s, b]) or cu_seqlens "
                           "(packed THD)")
     if batch.seq_len is not None:
+        if isinstance(batch.seq_len, bool) or not isinstance(batch.seq_len, (int, np.integer)):
+            raise ReplayError(f"seq_len must be an int, not {batch.seq_len!r:.40}")
         s = int(batch.seq_len)
         for name, length in zip(names, lengths):
             if length > s - 1:
@@ -152,7 +172,11 @@ def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[st
         position = np.repeat(np.arange(s), n)  # token p * b + i
         sequence = np.tile(np.arange(n), s)
     else:
-        offsets = np.asarray(batch.cu_seqlens, dtype=np.int64)
+        offsets = np.asarray(batch.cu_seqlens)
+        if offsets.ndim != 1 or (offsets.size and offsets.dtype.kind not in "iu"):
+            raise ReplayError(f"cu_seqlens must be a flat sequence of ints, not "
+                              f"{batch.cu_seqlens!r:.80}")
+        offsets = offsets.astype(np.int64)
         if len(offsets) != n + 1 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
             raise ReplayError(f"cu_seqlens must be {n + 1} non-decreasing offsets from 0, "
                               f"got {list(offsets)}")

@@ -9,6 +9,7 @@ Errors are ContractError naming the sequence.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,15 +17,54 @@ import numpy as np
 from r3cache.errors import ContractError
 
 
-def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None) -> list[np.ndarray]:
-    out = []
+def _count(value: object, name: str, minimum: int = 0) -> int:
+    """``value`` as an int of at least ``minimum`` (a numpy int too), or a ContractError."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        count = operator.index(value)
+    except TypeError:
+        raise ContractError(f"{name} must be an int, not {value!r:.40}") from None
+    if count < minimum:
+        raise ContractError(f"{name} must be >= {minimum}, not {count}")
+    return count
+
+
+def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None, max_id: int,
+             target: str) -> list[np.ndarray]:
+    """Each sequence's routes, checked before any is converted: integer IDs in
+    ``0 .. max_id`` (what ``target`` holds; a float would be truncated, and a wider int
+    wrapped, into another expert), one (layers, topk) shape for all; then ``layers``."""
+    if isinstance(routes, (str, bytes, np.ndarray)):
+        raise ContractError("routes are a sequence of (tokens, layers, topk) arrays, one per "
+                            f"sequence, not one {type(routes).__name__}")
+    out: list[np.ndarray] = []
     for i, rows in enumerate(routes):
         rows = np.asarray(rows)
         if rows.ndim != 3:
             raise ContractError(f"routes of sequence {i} have shape {rows.shape}, expected "
                                 "(tokens, layers, topk)")
-        out.append(rows if layers is None else rows[:, list(layers)])
-    return out
+        if out and rows.shape[1:] != out[0].shape[1:]:
+            raise ContractError(f"sequence {i} has routes of shape {rows.shape[1:]}, the first "
+                                f"{out[0].shape[1:]}")
+        if rows.size and rows.dtype.kind not in "iu":
+            raise ContractError(f"routes of sequence {i} hold {rows.dtype}, not integer "
+                                "expert IDs")
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) > max_id):
+            raise ContractError(f"routes of sequence {i} hold expert IDs "
+                                f"{int(rows.min())}..{int(rows.max())}, outside 0..{max_id} "
+                                f"({target})")
+        out.append(rows)
+    if layers is None or not out:
+        return out
+    count = out[0].shape[1]
+    try:
+        picked = [operator.index(x) for x in layers]
+    except TypeError:
+        raise ContractError(f"layers must be a sequence of ints, not {layers!r:.80}") from None
+    if any(not -count <= x < count for x in picked):
+        raise ContractError(f"layers {picked} outside the routes' {count} layers")
+    return [rows[:, picked] for rows in out]
 
 
 def to_verl(routes: Sequence[np.ndarray], seq_len: int, *,
@@ -38,21 +78,18 @@ def to_verl(routes: Sequence[np.ndarray], seq_len: int, *,
     the row of the last token, which the inference engine never ran, is padded with 0, as
     are padding positions.
     """
-    rows = _checked(routes, layers)
-    offsets = [0] * len(rows) if offsets is None else list(offsets)
+    rows = _checked(routes, layers, np.iinfo(np.int16).max, "verl's int16 routed_experts")
+    seq_len = _count(seq_len, "seq_len")
+    offsets = ([0] * len(rows) if offsets is None else
+               [_count(at, f"offset {i}") for i, at in enumerate(offsets)])
     if len(offsets) != len(rows):
         raise ContractError(f"{len(offsets)} offsets for {len(rows)} sequences")
     if not rows:
         return np.zeros((0, seq_len, 0, 0), np.int16)
     _, num_layers, topk = rows[0].shape
-    if any(r.max(initial=0) > np.iinfo(np.int16).max for r in rows):
-        raise ContractError("expert IDs do not fit verl's int16 routed_experts")
     out = np.zeros((len(rows), seq_len, num_layers, topk), np.int16)
     for i, (r, at) in enumerate(zip(rows, offsets)):
-        if r.shape[1:] != (num_layers, topk):
-            raise ContractError(f"sequence {i} has routes of shape {r.shape[1:]}, the first "
-                                f"{(num_layers, topk)}")
-        if at < 0 or at + len(r) + 1 > seq_len:
+        if at + len(r) + 1 > seq_len:
             raise ContractError(f"sequence {i}: {len(r) + 1} tokens at offset {at} do not fit "
                                 f"seq_len {seq_len}")
         out[i, at : at + len(r)] = r
@@ -70,6 +107,7 @@ def verl_agent_loop_routes(reader, request_id: str, num_tokens: int, *,
 
 def nemo_rl_dtype(num_experts: int) -> np.dtype:
     """The narrowest signed dtype NeMo-RL takes for expert IDs (it uses -1 as a sentinel)."""
+    num_experts = _count(num_experts, "num_experts", 1)
     for dtype in (np.int8, np.int16, np.int32):
         if num_experts - 1 <= np.iinfo(dtype).max:
             return np.dtype(dtype)
@@ -85,12 +123,12 @@ def to_nemo_rl(routes: Sequence[np.ndarray], num_experts: int, *, seq_len: int |
     signed dtype for ``num_experts``, with ``-1`` on rows no route covers (each sequence's
     last token, padding).
     """
-    rows = _checked(routes, layers)
     dtype = nemo_rl_dtype(num_experts)
+    rows = _checked(routes, layers, num_experts - 1, f"a model of {num_experts} experts")
+    if seq_len is not None:
+        seq_len = _count(seq_len, "seq_len")
     full = []
     for r in rows:
-        if r.size and int(r.max()) >= num_experts:
-            raise ContractError(f"expert IDs up to {int(r.max())} for {num_experts} experts")
         padded = np.full((len(r) + 1, *r.shape[1:]), -1, dtype)
         padded[: len(r)] = r
         full.append(padded)
@@ -108,8 +146,8 @@ def to_nemo_rl(routes: Sequence[np.ndarray], num_experts: int, *, seq_len: int |
 
 def to_slime(rows: np.ndarray, num_tokens: int) -> np.ndarray:
     """slime's ``Sample.rollout_routed_experts``: int32 ``[len(tokens) - 1, layers, topk]``."""
-    (rows,) = _checked([rows], None)
-    if len(rows) != num_tokens - 1:
+    (rows,) = _checked([rows], None, np.iinfo(np.int32).max, "slime's int32 rows")
+    if len(rows) != _count(num_tokens, "num_tokens", 1) - 1:
         raise ContractError(f"{len(rows)} rows for a sample of {num_tokens} tokens (slime "
                             f"expects {num_tokens - 1})")
     return rows.astype(np.int32)
