@@ -28,6 +28,7 @@ import cbor2
 import numpy as np
 import xxhash
 
+from r3cache.checks import count
 from r3cache.errors import ContractError
 
 DEFAULT_SEED = "0"
@@ -104,8 +105,7 @@ def token_id_array(token_ids: Any) -> np.ndarray:
 def _check_chain(block_size: int, seed: str, extra_keys_per_block: Any, blocks: int) -> None:
     """Refuse a seed or extra keys that no engine hashes with: each would silently give a
     chain of keys that are stored nowhere. An empty sequence of extra keys is none."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ContractError(f"block_size must be an int >= 1, not {block_size!r:.40}")
+    count(block_size, "block_size", 1)
     if not isinstance(seed, str):
         raise ContractError(f"the hash seed must be a str (the engine's PYTHONHASHSEED), "
                             f"not {seed!r:.40}")

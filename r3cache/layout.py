@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from r3cache.checks import is_int
 from r3cache.errors import LayoutError, LayoutMismatchError
 
 _FINGERPRINT_VERSION = "r3l1"
@@ -38,7 +39,7 @@ class RoutingLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "topk", "num_experts", "block_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            if not is_int(value):
                 raise LayoutError(f"{name} must be an int, got {type(value).__name__}")
             if value <= 0:
                 raise LayoutError(f"{name} must be positive, got {value}")

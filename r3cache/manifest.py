@@ -17,6 +17,7 @@ import numpy as np
 import xxhash
 
 from r3cache import codec
+from r3cache.checks import is_int
 from r3cache.errors import ContractError, CorruptBlockError, LayoutMismatchError
 from r3cache.layout import RoutingLayout
 
@@ -51,8 +52,7 @@ class Completion(NamedTuple):
 def is_completion(value: object) -> bool:
     """Whether ``value`` is two counts: a prompt start and a number of tokens."""
     return isinstance(value, tuple) and len(value) == 2 and all(
-        isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
-        for n in value)
+        is_int(n) and n >= 0 for n in value)
 
 
 class BlockRef(NamedTuple):

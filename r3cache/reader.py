@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import operator
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -11,6 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from r3cache.checks import seconds
 from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
@@ -118,9 +118,7 @@ class R3Reader:
             raise ContractError("get_many takes a sequence of request ids, not one str")
         request_ids = [check_request_id(r) for r in request_ids]
         dtype, layers = self._selection(dtype, layers)
-        if isinstance(wait, bool) or not (isinstance(wait, (int, float))
-                                          and 0 <= wait < math.inf):
-            raise ContractError(f"wait must be a finite number of seconds >= 0, not {wait!r}")
+        wait = seconds(wait, "wait")
         began = time.perf_counter()
         try:
             routes = self._read(request_ids, dtype, layers, wait)

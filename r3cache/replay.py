@@ -78,6 +78,8 @@ def _forced_forward(site: RouterSite, indices: torch.Tensor):
 
 def _as_indices(routes: Any) -> torch.Tensor:
     if isinstance(routes, np.ndarray):
+        if routes.size and routes.dtype.kind not in "iu":  # checked before a cast truncates
+            raise ReplayError(f"routes must hold integer expert IDs, not {routes.dtype}")
         routes = torch.from_numpy(routes.astype(np.int64, copy=False))
     if not isinstance(routes, torch.Tensor) or routes.dim() != 3:
         raise ReplayError("routes must be a (tokens, num_layers, topk) array or tensor")
@@ -107,6 +109,9 @@ def replay(model: nn.Module, routes: Any, *, layers: str = "moe") -> Iterator[No
         )
     if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= sites[0].num_experts):
         raise ReplayError(f"routes hold expert IDs outside [0, {sites[0].num_experts})")
+    ordered = indices.sort(dim=-1).values
+    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        raise ReplayError("routes name the same expert twice in one (token, layer)")
     device = next(model.parameters()).device
     with ExitStack() as restore:
         for i, site in enumerate(sites):

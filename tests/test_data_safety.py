@@ -16,7 +16,16 @@ import time
 import numpy as np
 import pytest
 
-from r3cache import R3Reader, RoutingLayout, StepBatch, StepMetadata, WorkerConnector, open_store
+from r3cache import (
+    R3Reader,
+    RequestPublisher,
+    RoutingLayout,
+    SchedulerConnector,
+    StepBatch,
+    StepMetadata,
+    WorkerConnector,
+    open_store,
+)
 from r3cache.errors import (
     ContractError,
     InvalidBatchError,
@@ -600,6 +609,63 @@ def test_store_options_and_names_are_checked(redis_url, reliability):
     reliability("idle_ttl 0 or -1, lease_ttl NaN, manifest_ttl inf, a namespace with a "
                 "trailing newline, num_experts 2**40", "open_store, RoutingLayout",
                 "typed errors before anything is written", "7/7 refused")
+
+
+def test_connector_sizes_and_waits_are_checked_before_any_writer_starts(redis_url, namespace,
+                                                                          reliability):
+    """store_wait=inf or NaN would make every wait unbounded, max_num_seqs=0 the writer's
+    queue unbounded (queue.Queue(0)), a float size a TypeError in the middle of setup."""
+    bad = ({"store_wait": float("inf")}, {"store_wait": float("nan")}, {"store_wait": -1},
+           {"max_num_seqs": 0}, {"max_num_seqs": 2.5}, {"max_num_batched_tokens": 0},
+           {"max_concurrent_batches": 1.5}, {"local_tier_bytes": -1},
+           {"on_unavailable": "ignore"})
+    threads = threading.active_count()
+    for url in ("memory://", redis_url):
+        store = open_store(url, layout=LAYOUT, namespace=namespace)
+        try:
+            for kwargs in bad:
+                with pytest.raises(ContractError):
+                    WorkerConnector(layout=LAYOUT, store=store, **kwargs)
+            for kwargs in (*bad[:3], bad[-1], {"max_pending": 0}):
+                with pytest.raises(ContractError):
+                    RequestPublisher(layout=LAYOUT, store=store, **kwargs)
+            with pytest.raises(ContractError):
+                WorkerConnector(layout=LAYOUT, store="memory://")
+        finally:
+            store.close()
+    assert threading.active_count() == threads  # no writer was started
+    with pytest.raises(ContractError):
+        open_store(5, layout=LAYOUT, namespace=namespace)
+    with pytest.raises(ContractError):
+        open_store("memory://?max_bytes=inf", layout=LAYOUT, namespace=namespace)
+    reliability("store_wait inf, NaN or -1, max_num_seqs 0 or 2.5, max_num_batched_tokens "
+                "0, max_concurrent_batches 1.5, local_tier_bytes -1, on_unavailable "
+                "'ignore', max_pending 0, a URL as the store; open_store(5), max_bytes=inf",
+                "WorkerConnector and RequestPublisher on memory:// and Redis, open_store",
+                "ContractError before any writer starts", "no thread left running")
+
+
+def test_the_scheduler_refuses_what_the_worker_would_before_counting_it_sent(reliability):
+    """A bad hash taken by the scheduler would be counted as sent in a step the worker
+    then refuses: lost for every later step. A str is one hash, not a list of characters."""
+    scheduler = SchedulerConnector()
+    scheduler.add_request("r", block_hashes=[b"\x01" * 32])
+    for call in (lambda: scheduler.add_request(""),
+                 lambda: scheduler.add_request("p", prompt_start=1.5),
+                 lambda: scheduler.add_request("h", block_hashes=[None]),
+                 lambda: scheduler.add_request("s", block_hashes="abc"),
+                 lambda: scheduler.update_block_hashes("r", [b"\x01" * 32, b""]),
+                 lambda: scheduler.update_block_hashes("r", "ab"),
+                 lambda: scheduler.finish_request("r", num_tokens=5.5),
+                 lambda: scheduler.record_output("r", None)):
+        with pytest.raises(ContractError):
+            call()
+    metadata = scheduler.build_step_metadata()
+    assert metadata.requests == {"r": 0} and metadata.block_hashes == {"r": [b"\x01" * 32]}
+    reliability("an empty request id, a float prompt_start or num_tokens, a None or empty "
+                "block hash, a str as the hash list, record_output(None)",
+                "SchedulerConnector", "ContractError before its state changes",
+                "8/8 refused; the next step's metadata holds only the good request")
 
 
 def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,7 +71,9 @@ def test_replay_errors_are_typed():
     model = tiny_model("olmoe-tiny", num_layers=2)
     ids = torch.randint(0, 512, (1, 8))
     bad = {"rows of shape": torch.zeros(8, 3, 4, dtype=torch.long),
-           "outside": torch.full((8, 2, 4), 16), "integer": torch.zeros(8, 2, 4)}
+           "outside": torch.full((8, 2, 4), 16), "integer": torch.zeros(8, 2, 4),
+           # A cast would truncate these into other experts; a top-k never repeats one.
+           "float64": np.full((8, 2, 4), 1.5), "twice": torch.zeros(8, 2, 4, dtype=torch.long)}
     for message, routes in bad.items():
         with pytest.raises(ReplayError, match=message), replay(model, routes):
             pass

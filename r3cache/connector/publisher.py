@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from r3cache.checks import count, is_int, seconds
 from r3cache.connector.worker import WorkerStats
 from r3cache.errors import ContractError, InvalidBatchError, LayoutMismatchError, R3Error
 from r3cache.hashing import DEFAULT_SEED, block_hashes, token_id_array
@@ -15,7 +16,7 @@ from r3cache.manifest import BlockSpan, Completion, Manifest, check_request_id
 from r3cache.metrics import SOURCES
 from r3cache.store.base import BlockStore
 from r3cache.store.writers import choose_writer
-from r3cache.store.writers.background import BackgroundBlockStore
+from r3cache.store.writers.background import POLICIES, BackgroundBlockStore
 from r3cache.store.writers.process import spawn_writer
 
 
@@ -52,6 +53,11 @@ class RequestPublisher:
                 f"{layout.fingerprint}")
         if not isinstance(seed, str):
             raise ContractError(f"the hash seed must be a str, not {seed!r:.40}")
+        store_wait = seconds(store_wait, "store_wait")
+        max_pending = count(max_pending, "max_pending", 1)  # 0 would make the queue unbounded
+        if on_unavailable not in POLICIES:
+            raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
+                                f"{on_unavailable!r:.40}")
         writer = choose_writer(store, writer, on_unavailable)
         if writer == "inline":
             pass  # the embedded store, written in place (choose_writer says why)
@@ -82,8 +88,7 @@ class RequestPublisher:
             tokens = token_id_array(token_ids)
         except ContractError as exc:
             raise InvalidBatchError(f"request {request_id!r}: {exc}") from None
-        if isinstance(prompt_start, bool) or not isinstance(prompt_start, (int, np.integer)) \
-                or not 0 <= prompt_start <= max(len(tokens) - 1, 0):
+        if not is_int(prompt_start) or not 0 <= prompt_start <= max(len(tokens) - 1, 0):
             raise InvalidBatchError(
                 f"request {request_id!r}: prompt_start must be an int in 0..{len(tokens) - 1}, "
                 f"not {prompt_start!r}")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from r3cache.connector.metadata import BlockHash, RequestOutput, StepMetadata
+from r3cache.checks import count
+from r3cache.connector.metadata import BlockHash, RequestOutput, StepMetadata, block_key
 from r3cache.errors import MetadataError
-from r3cache.manifest import Completion
+from r3cache.manifest import Completion, check_request_id
 
 
 @dataclass
@@ -35,12 +36,13 @@ class SchedulerConnector:
         self, req_id: str, *, prompt_start: int = 0, block_hashes: Sequence[BlockHash] = ()
     ) -> None:
         """A new request: it is owed rows from ``prompt_start`` on."""
+        check_request_id(req_id)
         if req_id in self._requests:
             raise MetadataError(f"request {req_id!r} was already added")
-        if prompt_start < 0:
-            raise MetadataError(f"request {req_id!r}: prompt_start must be >= 0")
-        self._requests[req_id] = _SchedulerRequest(prompt_start, prompt_start,
-                                                   list(block_hashes))
+        prompt_start = count(prompt_start, f"request {req_id!r}: prompt_start", 0,
+                             MetadataError)
+        hashes = _checked_hashes(req_id, block_hashes, 0)
+        self._requests[req_id] = _SchedulerRequest(prompt_start, prompt_start, hashes)
         self._register(req_id)
 
     def update_block_hashes(self, req_id: str, block_hashes: Sequence[BlockHash]) -> None:
@@ -49,13 +51,16 @@ class SchedulerConnector:
         if len(block_hashes) < len(state.hashes):
             raise MetadataError(f"request {req_id!r}: block hashes cannot shrink")
         if len(block_hashes) > len(state.hashes):
-            state.hashes.extend(block_hashes[len(state.hashes) :])
+            state.hashes.extend(_checked_hashes(req_id, block_hashes, len(state.hashes)))
             if state.registered:
                 self._hash_updates[req_id] = state
 
     def record_output(self, req_id: str, output: RequestOutput) -> None:
         """Note rows delivered, so a preempted request resumes after them."""
         state = self._state(req_id)
+        if not isinstance(output, RequestOutput):
+            raise MetadataError(f"request {req_id!r}: record_output takes the RequestOutput "
+                                f"the worker returned, not {type(output).__name__}")
         state.emit_start = max(state.emit_start, output.token_end)
 
     def preempt_request(self, req_id: str) -> None:
@@ -78,6 +83,7 @@ class SchedulerConnector:
         for good and its routes become a manifest; without, it was aborted."""
         state = self._state(req_id)
         if num_tokens is not None:
+            num_tokens = count(num_tokens, f"request {req_id!r}: num_tokens", 1, MetadataError)
             if num_tokens - 1 < state.prompt_start:
                 raise MetadataError(f"request {req_id!r}: {num_tokens} tokens end before its "
                                     f"prompt_start {state.prompt_start}")
@@ -148,3 +154,17 @@ class SchedulerConnector:
             raise MetadataError(
                 f"request {req_id!r} is not known to the scheduler connector"
             ) from None
+
+
+def _checked_hashes(req_id: str, block_hashes: Sequence[BlockHash], known: int
+                    ) -> list[BlockHash]:
+    """The hashes of ``block_hashes`` from ``known`` on, each checked as the worker will
+    key it (block_key): refused here, before the scheduler counts them as sent, a bad hash
+    is not lost in a step the worker refuses. A str or bytes is one hash, not a list."""
+    if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
+        raise MetadataError(f"request {req_id!r}: block hashes are a list, not "
+                            f"{type(block_hashes).__name__}")
+    new = list(block_hashes[known:])
+    for block_hash in new:
+        block_key(block_hash)
+    return new

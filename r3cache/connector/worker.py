@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from r3cache import checks
 from r3cache.connector.metadata import RequestOutput, StepBatch, StepMetadata, keys_by_request
 from r3cache.connector.requests import NO_CURSOR, RequestTable
 from r3cache.errors import (
@@ -41,7 +42,7 @@ from r3cache.store.base import BlockStore
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.tiered import TieredBlockStore
 from r3cache.store.writers import choose_writer
-from r3cache.store.writers.background import BackgroundBlockStore
+from r3cache.store.writers.background import POLICIES, BackgroundBlockStore
 from r3cache.store.writers.process import spawn_writer
 
 log = logging.getLogger("r3cache.worker")
@@ -188,12 +189,25 @@ class WorkerConnector:
         capturer: Any = None,
         record_manifests: bool = True,
     ) -> None:
+        if not isinstance(layout, RoutingLayout):
+            raise ContractError(f"layout must be a RoutingLayout, not {type(layout).__name__}")
+        if not isinstance(store, BlockStore):
+            raise ContractError(f"store must be a BlockStore (open_store), not "
+                                f"{type(store).__name__}")
         if store.layout != layout:
             raise LayoutMismatchError(
                 f"store layout {store.layout.fingerprint} != connector layout {layout.fingerprint}"
             )
-        if max_concurrent_batches < 1:
-            raise InvalidBatchError("max_concurrent_batches must be >= 1")
+        # Sizes bound the writers' queues and every wait: each is checked before any starts.
+        max_num_seqs = checks.count(max_num_seqs, "max_num_seqs", 1)
+        max_num_batched_tokens = checks.count(max_num_batched_tokens, "max_num_batched_tokens", 1)
+        max_concurrent_batches = checks.count(max_concurrent_batches, "max_concurrent_batches", 1,
+                                       InvalidBatchError)
+        local_tier_bytes = checks.count(local_tier_bytes, "local_tier_bytes")
+        store_wait = checks.seconds(store_wait, "store_wait")
+        if on_unavailable not in POLICIES:
+            raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
+                                f"{on_unavailable!r:.40}")
         writer = choose_writer(store, writer, on_unavailable)
         if capturer is not None and capturer.layout != layout:
             raise LayoutMismatchError(

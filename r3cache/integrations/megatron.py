@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from r3cache.checks import count
 from r3cache.errors import ReplayError
 from r3cache.layout import repeats_by_columns
 
@@ -162,9 +163,7 @@ def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[st
         raise ReplayError("give ReplayBatch either seq_len (padded [s, b]) or cu_seqlens "
                           "(packed THD)")
     if batch.seq_len is not None:
-        if isinstance(batch.seq_len, bool) or not isinstance(batch.seq_len, (int, np.integer)):
-            raise ReplayError(f"seq_len must be an int, not {batch.seq_len!r:.40}")
-        s = int(batch.seq_len)
+        s = count(batch.seq_len, "seq_len", 1, ReplayError)
         for name, length in zip(names, lengths):
             if length > s - 1:
                 raise ReplayError(f"routes of {name!r} cover {length} tokens; a sequence of "

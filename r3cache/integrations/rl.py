@@ -14,20 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from r3cache.checks import count
 from r3cache.errors import ContractError
-
-
-def _count(value: object, name: str, minimum: int = 0) -> int:
-    """``value`` as an int of at least ``minimum`` (a numpy int too), or a ContractError."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        count = operator.index(value)
-    except TypeError:
-        raise ContractError(f"{name} must be an int, not {value!r:.40}") from None
-    if count < minimum:
-        raise ContractError(f"{name} must be >= {minimum}, not {count}")
-    return count
 
 
 def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None, max_id: int,
@@ -79,9 +67,9 @@ def to_verl(routes: Sequence[np.ndarray], seq_len: int, *,
     are padding positions.
     """
     rows = _checked(routes, layers, np.iinfo(np.int16).max, "verl's int16 routed_experts")
-    seq_len = _count(seq_len, "seq_len")
+    seq_len = count(seq_len, "seq_len")
     offsets = ([0] * len(rows) if offsets is None else
-               [_count(at, f"offset {i}") for i, at in enumerate(offsets)])
+               [count(at, f"offset {i}") for i, at in enumerate(offsets)])
     if len(offsets) != len(rows):
         raise ContractError(f"{len(offsets)} offsets for {len(rows)} sequences")
     if not rows:
@@ -107,7 +95,7 @@ def verl_agent_loop_routes(reader, request_id: str, num_tokens: int, *,
 
 def nemo_rl_dtype(num_experts: int) -> np.dtype:
     """The narrowest signed dtype NeMo-RL takes for expert IDs (it uses -1 as a sentinel)."""
-    num_experts = _count(num_experts, "num_experts", 1)
+    num_experts = count(num_experts, "num_experts", 1)
     for dtype in (np.int8, np.int16, np.int32):
         if num_experts - 1 <= np.iinfo(dtype).max:
             return np.dtype(dtype)
@@ -126,7 +114,7 @@ def to_nemo_rl(routes: Sequence[np.ndarray], num_experts: int, *, seq_len: int |
     dtype = nemo_rl_dtype(num_experts)
     rows = _checked(routes, layers, num_experts - 1, f"a model of {num_experts} experts")
     if seq_len is not None:
-        seq_len = _count(seq_len, "seq_len")
+        seq_len = count(seq_len, "seq_len")
     full = []
     for r in rows:
         padded = np.full((len(r) + 1, *r.shape[1:]), -1, dtype)
@@ -147,7 +135,7 @@ def to_nemo_rl(routes: Sequence[np.ndarray], num_experts: int, *, seq_len: int |
 def to_slime(rows: np.ndarray, num_tokens: int) -> np.ndarray:
     """slime's ``Sample.rollout_routed_experts``: int32 ``[len(tokens) - 1, layers, topk]``."""
     (rows,) = _checked([rows], None, np.iinfo(np.int32).max, "slime's int32 rows")
-    if len(rows) != _count(num_tokens, "num_tokens", 1) - 1:
+    if len(rows) != count(num_tokens, "num_tokens", 1) - 1:
         raise ContractError(f"{len(rows)} rows for a sample of {num_tokens} tokens (slime "
                             f"expects {num_tokens - 1})")
     return rows.astype(np.int32)

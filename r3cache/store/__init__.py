@@ -33,6 +33,8 @@ def open_store(
     """
     if not isinstance(namespace, str) or not namespace:
         raise ContractError("namespace must be a non-empty string tied to the model weights")
+    if not isinstance(url, str):
+        raise ContractError(f"a store URL is a str, not {type(url).__name__}")
     parts = urlsplit(url)
     if parts.scheme == "memory":
         if layout is None:
@@ -45,7 +47,7 @@ def open_store(
         for name in _INT_OPTIONS & merged.keys():
             try:
                 merged[name] = int(float(merged[name]))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: infinity
                 raise ContractError(f"store option {name} must be a number, not "
                                     f"{merged[name]!r}") from None
         return MemoryBlockStore(layout, namespace, **merged)

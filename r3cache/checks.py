@@ -1,0 +1,35 @@
+"""Checks of the plain arguments of public entry points: counts and bounded waits."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from r3cache.errors import ContractError, R3Error
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an int (a numpy integer too), and not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def count(value: object, name: str, minimum: int = 0,
+          error: type[R3Error] = ContractError) -> int:
+    """``value`` as an int of at least ``minimum``, or ``error``: a float would be
+    truncated, a bool taken for 0 or 1."""
+    if not is_int(value):
+        raise error(f"{name} must be an int, not {value!r:.40}")
+    if value < minimum:
+        raise error(f"{name} must be >= {minimum}, not {value}")
+    return int(value)
+
+
+def seconds(value: object, name: str) -> float:
+    """``value`` as a finite number of seconds >= 0, or a ContractError: every wait is
+    bounded, and infinity or NaN would make one unbounded."""
+    if not (is_int(value) or isinstance(value, (float, np.floating))) or not (
+            0 <= value < math.inf):
+        raise ContractError(f"{name} must be a finite number of seconds >= 0, not "
+                            f"{value!r:.40}")
+    return float(value)
