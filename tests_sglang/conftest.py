@@ -101,12 +101,14 @@ class Server:
 
     def generate(self, texts: list[str], *, max_new_tokens: int = 8,
                  temperature: float = 1.0, routes: bool = True,
-                 start_len: int | None = None) -> list[dict]:
+                 start_len: int | None = None, rids: list[str] | None = None) -> list[dict]:
         body = {"text": texts, "return_routed_experts": routes,
                 "sampling_params": {"max_new_tokens": max_new_tokens,
                                     "temperature": temperature, "ignore_eos": True}}
         if start_len is not None:
             body["routed_experts_start_len"] = start_len
+        if rids is not None:
+            body["rid"] = rids
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/generate",
                                          data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})

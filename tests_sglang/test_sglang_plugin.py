@@ -86,6 +86,20 @@ def test_grpo_inline_routes_are_what_the_trainer_reads(where, request):
         assert all(k[0] == keys[0][2] for k in late_keys)  # blocks from the third on
 
 
+def test_a_caller_rid_no_manifest_can_be_named_by_is_served_and_the_server_goes_on(
+        standalone):
+    """A caller's rid of over 1024 characters cannot name a manifest: its response keeps
+    its routes, nothing is stored for it, and the scheduler serves the next requests."""
+    server, url, namespace = standalone
+    rids = ["x" * 1100, "chosen-by-the-caller"]
+    responses = server.generate(grpo_prompts(1, 2), rids=rids)
+    assert [r["meta_info"]["id"] for r in responses] == rids
+    assert all(r["meta_info"]["routed_experts"] for r in responses)
+    with R3Reader(url, namespace=namespace) as reader:
+        _check_inline(reader, responses[1:])
+        _check_inline(reader, server.generate(grpo_prompts(1, 1)))  # the server goes on
+
+
 def test_keys_only_replica_and_two_engines_store_nothing_twice(replicas):
     (inline, keys_only), url, namespace = replicas
     # Blocks of other prompts than the GRPO test's, but for the system prompt's three.

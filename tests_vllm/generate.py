@@ -1,10 +1,14 @@
 """Run vLLM on the tiny model in this process and save what it returned: a test's engine.
 
     python generate.py MODEL OUT.npz --prompts P.json [--max-tokens N] [--rounds R] [--n N]
+        [--request-ids IDS.json]
 
 The environment decides the rest (R3CACHE_URL and friends, vLLM's CPU settings). Each
 round sends every prompt once; OUT.npz holds each completion's token ids and inline
-routed experts by request id, and OUT.json what the r3cache connector counted.
+routed experts by request id, and OUT.json what the r3cache connector counted. With
+--request-ids each prompt goes in under the id its caller gave (vLLM's engine API, one
+round, n = 1), and OUT.npz holds them by prompt index, ``#<i>`` (a caller's id may be
+no file name).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def main() -> None:
                         help="let vLLM capture CUDA graphs (on a GPU; eager otherwise)")
     parser.add_argument("--shutdown-redis", type=int, default=None, metavar="PORT",
                         help="shut the Redis at PORT down after the first round")
+    parser.add_argument("--request-ids", default=None, metavar="IDS.json",
+                        help="the id each prompt is sent under")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -51,7 +57,18 @@ def main() -> None:
                             temperature=0 if args.n == 1 else 1.0, seed=0)
     arrays: dict[str, np.ndarray] = {}
     ids: list[str] = []
-    for round_ in range(args.rounds):
+    if args.request_ids:
+        ids = json.loads(Path(args.request_ids).read_text())
+        engine = llm.llm_engine
+        for request_id, prompt in zip(ids, prompts):
+            engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    key = f"#{ids.index(output.request_id)}"
+                    arrays[f"tokens:{key}"] = np.array(output.outputs[0].token_ids)
+                    arrays[f"routes:{key}"] = np.asarray(output.outputs[0].routed_experts)
+    for round_ in range(args.rounds if not args.request_ids else 0):
         if round_ == 1 and args.shutdown_redis:
             import redis
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 from conftest import failed, finish, grpo_prompts, run_vllm
@@ -106,6 +108,25 @@ def test_each_sample_of_a_parallel_sampling_request_has_its_manifest(model, redi
                    env={"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace})
     assert run.ids == ["0/0", "0/1"]
     _assert_routes(redis_url, namespace, run)
+
+
+def test_a_caller_id_no_manifest_can_be_named_by_is_served_and_the_engine_goes_on(
+        model, redis_url, baseline, namespace, tmp_path):
+    """A caller's X-Request-Id of over 1024 characters, or one with a lone surrogate, is
+    served with its inline routes; only the requests whose ids can name a manifest have
+    one (the worker knows the others by stand-ins)."""
+    ids = ["x" * 1100, "lone-\ud800", "chosen-by-the-caller"]
+    id_file = tmp_path / "ids.json"
+    id_file.write_text(json.dumps(ids))
+    run = run_vllm(model, tmp_path, grpo_prompts(1), max_tokens=MAX_TOKENS,
+                   env={"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace},
+                   extra=("--request-ids", str(id_file)))
+    for i in range(3):  # grpo_prompts(1) is the baseline's first prompt, three times
+        assert run.routes(f"#{i}").tobytes() == baseline.routes(str(i)).tobytes()
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        assert reader.get(ids[2], wait=15).tobytes() == run.routes("#2").tobytes()
+        assert reader.store.stats().manifests == 1
+    assert run.report["manifests"] == 1
 
 
 @pytest.mark.parametrize("policy", ["incomplete", "raise"])

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from r3cache.connector.publisher import RequestPublisher
-from r3cache.errors import IntegrationError, InvalidBatchError, R3Error
+from r3cache.errors import ContractError, IntegrationError, R3Error
 from r3cache.integrations import engine
 from r3cache.layout import RoutingLayout
 from r3cache.store import open_store
@@ -202,9 +202,10 @@ def _publish(result: Any, processor: Any, req: Any) -> None:
     try:
         publisher.publish(req.rid, tokens, rows.numpy(), start,
                           extra_keys=(lora,) if lora else None)
-    except InvalidBatchError as exc:
-        # Rows SGLang itself got wrong (it warns of row-count mismatches and serves on):
-        # nothing is stored for this request, and its response keeps its rows.
+    except ContractError as exc:
+        # Rows SGLang itself got wrong (it warns of row-count mismatches and serves on), or
+        # a caller's rid that cannot name a manifest (over 1024 characters, a lone
+        # surrogate): nothing is stored for this request, and its response keeps its rows.
         publisher.stats.errors[type(exc).__name__] += 1
         log.error("r3cache: routes of request %r not stored: %s", req.rid, exc)
         return

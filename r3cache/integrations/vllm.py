@@ -29,6 +29,7 @@ namespace of another layout) raises at engine start.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -37,10 +38,10 @@ from typing import Any
 
 from r3cache.connector.metadata import PackedHashes, StepBatch, StepMetadata
 from r3cache.connector.worker import WorkerConnector
-from r3cache.errors import IntegrationError
+from r3cache.errors import ContractError, IntegrationError
 from r3cache.integrations import engine
 from r3cache.layout import RoutingLayout
-from r3cache.manifest import Completion
+from r3cache.manifest import Completion, check_request_id
 from r3cache.store import open_store
 
 log = logging.getLogger("r3cache.vllm")
@@ -292,31 +293,105 @@ class _HostCopy:
         return self._tensor.numpy()
 
 
+def _names_a_request(req_id: str) -> bool:
+    try:
+        check_request_id(req_id)
+    except ContractError:
+        return False
+    return True
+
+
+class _Renamed:
+    """Own one step's pending output whose requests include stand-ins: vLLM gets its rows
+    under its own ids."""
+
+    def __init__(self, pending, originals: dict[str, str]) -> None:
+        self._pending = pending
+        self._originals = originals
+
+    def enqueue_cpu_copy(self, num_sampled, num_rejected) -> None:
+        self._pending.enqueue_cpu_copy(num_sampled, num_rejected)
+
+    def process_output(self):
+        original = self._originals.get
+        return {original(r, r): out for r, out in self._pending.process_output().items()}
+
+
 class VllmWorkerConnector:
     """Own r3cache's WorkerConnector as vLLM's model runner sees its worker connector."""
 
     def __init__(self, worker: WorkerConnector | None) -> None:
         self.worker = worker
         self._metadata_seen = False
+        # vLLM request ids that cannot name a request in r3cache (a caller's X-Request-Id
+        # of over 1024 characters, a lone surrogate), each to the stand-in the worker knows
+        # it by: vLLM serves any str, and one caller's id must not stop the engine.
+        self._stand_ins: dict[str, str] = {}
 
     def begin_step(self, metadata) -> None:
         self._metadata_seen = metadata is not None
         if self.worker is None or metadata is None:
             return
-        self.worker.begin_step(StepMetadata(
+        step = StepMetadata(
             metadata.generation, metadata.requests,
             {r: PackedHashes(packed.data, packed.item_size)
              for r, packed in metadata.block_hashes.items()},
             metadata.finished_requests, getattr(metadata, "completions", {}),
-            getattr(metadata, "record_as", {})))
+            getattr(metadata, "record_as", {}))
+        try:
+            self.worker.begin_step(self._renamed(step) if self._stand_ins else step)
+        except ContractError:
+            # The worker checks every id before anything changes: the step is taken again
+            # once the ids it refused have stand-ins, without the manifests no id names.
+            if not (self._add_stand_ins(step) or any(
+                    not _names_a_request(step.record_as.get(r, r)) for r in step.completions)):
+                raise
+            self.worker.begin_step(self._renamed(step))
+        for req_id in metadata.finished_requests if self._stand_ins else ():
+            self._stand_ins.pop(req_id, None)  # a resumed request gets it again
+
+    def _add_stand_ins(self, step: StepMetadata) -> bool:
+        """Give a stand-in to each id of ``step`` that cannot name a request; whether any
+        needed one."""
+        ids = {*step.requests, *step.block_hashes, *step.finished_requests}
+        added = {r: "r3cache-stand-in-" + hashlib.sha256(
+                 r.encode("utf-8", "surrogatepass")).hexdigest()
+                 for r in ids if isinstance(r, str) and not _names_a_request(r)}
+        self._stand_ins.update(added)
+        for req_id in added:
+            log.warning("r3cache: vLLM request id %.80r cannot name a request in r3cache "
+                        "(1-1024 characters UTF-8 can encode); its routes are served "
+                        "inline, and no trainer can read them by that id", req_id)
+        return bool(added)
+
+    def _renamed(self, step: StepMetadata) -> StepMetadata:
+        """``step`` with stand-ins for the ids that have one, and without the completions
+        whose manifest no id could name: a stand-in is no name a trainer knows."""
+        new = self._stand_ins.get
+        completions, record_as = {}, {}
+        for req_id, completion in step.completions.items():
+            name = step.record_as.get(req_id, req_id)
+            if _names_a_request(name):
+                completions[new(req_id, req_id)] = completion
+                record_as[new(req_id, req_id)] = name
+        return StepMetadata(
+            step.generation, {new(r, r): e for r, e in step.requests.items()},
+            {new(r, r): h for r, h in step.block_hashes.items()},
+            tuple(new(r, r) for r in step.finished_requests), completions, record_as)
 
     def prepare_output(self, input_batch):
         if self.worker is None or not self._metadata_seen:
             return None  # a dummy or profiling run
         n = len(input_batch.req_ids)  # the worker copies what it keeps
-        return self.worker.prepare_output(StepBatch(
-            input_batch.req_ids, input_batch.num_computed_tokens_np[:n],
+        req_ids = input_batch.req_ids
+        originals = {}
+        if self._stand_ins:
+            req_ids = [self._stand_ins.get(r, r) for r in req_ids]
+            originals = {s: r for r, s in self._stand_ins.items()}
+        pending = self.worker.prepare_output(StepBatch(
+            req_ids, input_batch.num_computed_tokens_np[:n],
             input_batch.query_start_loc_np[: n + 1]))
+        return _Renamed(pending, originals) if originals else pending
 
     def close(self) -> None:
         if self.worker is not None:
