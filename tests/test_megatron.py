@@ -174,6 +174,8 @@ def test_batches_read_ahead_convert_to_the_same_targets(groups, redis_url, names
     batches = [ids[:3], ids[3:]]
     with R3Reader(redis_url, namespace=namespace) as reader:
         got = list(iter_replay_targets(reader, batches, stack.routers))
+        with pytest.raises(ReplayError, match="batch 1 holds no request ids"):
+            next(iter_replay_targets(reader, (b for b in [ids[:1], []]), stack.routers))
     for names, (batch_routes, targets) in zip(batches, got):
         mine = [routes[ids.index(n)] for n in names]
         assert all(np.array_equal(a, b) for a, b in zip(batch_routes, mine))

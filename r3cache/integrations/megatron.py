@@ -117,6 +117,11 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
     the next batch is read from the store while this one is converted."""
     from concurrent.futures import ThreadPoolExecutor
 
+    batches = list(batches)
+    empty = [i for i, names in enumerate(batches) if not len(names)]
+    if empty:  # checked before any read: a padded batch needs one sequence at least
+        raise ReplayError(f"batch {empty[0]} holds no request ids")
+
     with ThreadPoolExecutor(1, thread_name_prefix="r3cache-megatron") as pool:
         ahead = pool.submit(reader.get_many, batches[0]) if batches else None
         for at, names in enumerate(batches):
