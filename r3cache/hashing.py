@@ -102,10 +102,9 @@ def token_id_array(token_ids: Any) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-def _check_chain(block_size: int, seed: str, extra_keys_per_block: Any, blocks: int) -> None:
+def _check_chain(seed: str, extra_keys_per_block: Any, blocks: int) -> None:
     """Refuse a seed or extra keys that no engine hashes with: each would silently give a
     chain of keys that are stored nowhere. An empty sequence of extra keys is none."""
-    count(block_size, "block_size", 1)
     if not isinstance(seed, str):
         raise ContractError(f"the hash seed must be a str (the engine's PYTHONHASHSEED), "
                             f"not {seed!r:.40}")
@@ -139,13 +138,14 @@ def block_hashes(
     digest = hasher(algo)
     # Python ints, as the engine hashes them: one conversion for the sequence.
     ids = token_id_array(token_ids).tolist()
-    _check_chain(block_size, seed, extra_keys_per_block, len(ids) // block_size)
+    blocks = len(ids) // count(block_size, "block_size", 1)
+    _check_chain(seed, extra_keys_per_block, blocks)
     if parent is not None and not isinstance(parent, bytes):
         raise ContractError(f"parent must be a block hash (bytes), not {parent!r:.40}")
     current = digest(seed) if parent is None else parent
     hashes: list[bytes] = []
     try:
-        for index in range(len(ids) // block_size):
+        for index in range(blocks):
             extra = extra_keys_per_block[index] if extra_keys_per_block else None
             current = digest((current, tuple(ids[index * block_size : (index + 1) * block_size]),
                               extra))

@@ -72,8 +72,8 @@ def test_a_seed_or_extra_keys_no_engine_hashes_with_are_refused():
     for kwargs in ({"seed": 0}, {"extra_keys_per_block": [None]},
                    {"extra_keys_per_block": ["lora", None]},
                    {"extra_keys_per_block": [(lambda: 0,), None]},
-                   {"parent": "00"}):
+                   {"parent": "00"}, {"block_size": 0}, {"block_size": "2"}):
         with pytest.raises(ContractError):
-            block_hashes(tokens, 2, **kwargs)
+            block_hashes(tokens, **{"block_size": 2, **kwargs})
     with pytest.raises(ContractError):
         block_hashes(tokens, 2, algo="sha256_cbor", extra_keys_per_block=[(object(),), None])
