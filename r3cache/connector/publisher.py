@@ -16,7 +16,7 @@ from r3cache.manifest import BlockSpan, Completion, Manifest, check_request_id
 from r3cache.metrics import SOURCES
 from r3cache.store.base import BlockStore
 from r3cache.store.writers import choose_writer
-from r3cache.store.writers.background import POLICIES, BackgroundBlockStore
+from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import spawn_writer
 
 
@@ -55,9 +55,6 @@ class RequestPublisher:
             raise ContractError(f"the hash seed must be a str, not {seed!r:.40}")
         store_wait = seconds(store_wait, "store_wait")
         max_pending = count(max_pending, "max_pending", 1)  # 0 would make the queue unbounded
-        if on_unavailable not in POLICIES:
-            raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
-                                f"{on_unavailable!r:.40}")
         writer = choose_writer(store, writer, on_unavailable)
         if writer == "inline":
             pass  # the embedded store, written in place (choose_writer says why)

@@ -42,7 +42,7 @@ from r3cache.store.base import BlockStore
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.tiered import TieredBlockStore
 from r3cache.store.writers import choose_writer
-from r3cache.store.writers.background import POLICIES, BackgroundBlockStore
+from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import spawn_writer
 
 log = logging.getLogger("r3cache.worker")
@@ -198,16 +198,15 @@ class WorkerConnector:
             raise LayoutMismatchError(
                 f"store layout {store.layout.fingerprint} != connector layout {layout.fingerprint}"
             )
-        # Sizes bound the writers' queues and every wait: each is checked before any starts.
+        # Sizes bound the writers' queues and every wait: each is checked before any starts
+        # (the writer and policy by choose_writer).
         max_num_seqs = checks.count(max_num_seqs, "max_num_seqs", 1)
-        max_num_batched_tokens = checks.count(max_num_batched_tokens, "max_num_batched_tokens", 1)
-        max_concurrent_batches = checks.count(max_concurrent_batches, "max_concurrent_batches", 1,
-                                       InvalidBatchError)
+        max_num_batched_tokens = checks.count(max_num_batched_tokens,
+                                              "max_num_batched_tokens", 1)
+        max_concurrent_batches = checks.count(max_concurrent_batches,
+                                              "max_concurrent_batches", 1, InvalidBatchError)
         local_tier_bytes = checks.count(local_tier_bytes, "local_tier_bytes")
         store_wait = checks.seconds(store_wait, "store_wait")
-        if on_unavailable not in POLICIES:
-            raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
-                                f"{on_unavailable!r:.40}")
         writer = choose_writer(store, writer, on_unavailable)
         if capturer is not None and capturer.layout != layout:
             raise LayoutMismatchError(

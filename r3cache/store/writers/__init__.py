@@ -10,6 +10,9 @@ from r3cache.errors import ContractError
 from r3cache.store.memory import MemoryBlockStore
 
 WRITERS = ("auto", "thread", "process")
+# What an unavailable store does to the engine: "raise" a typed error at the next call,
+# or drop the batch and go on ("incomplete": those requests' read-back fails clearly).
+POLICIES = ("raise", "incomplete")
 
 
 def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
@@ -26,6 +29,9 @@ def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
     """
     if writer not in WRITERS:
         raise ContractError(f"writer must be 'auto', 'thread' or 'process', not {writer!r}")
+    if on_unavailable not in POLICIES:
+        raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
+                            f"{on_unavailable!r:.40}")
     if isinstance(store, MemoryBlockStore):
         if writer == "process":
             raise ContractError("writer='process' cannot serve the embedded store (a helper "

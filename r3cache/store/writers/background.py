@@ -15,12 +15,10 @@ from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import BlockStore, StoreStats, check_put
 from r3cache.store.memory import MemoryBlockStore
+from r3cache.store.writers import POLICIES
 from r3cache.store.writers.bounded import BoundedCalls, Stall, wait_while_progressing
 
 DEFAULT_MAX_PENDING = 512
-# What an unavailable store does to the engine: "raise" a typed error at the next call,
-# or drop the batch and go on ("incomplete": those requests' read-back fails clearly).
-POLICIES = ("raise", "incomplete")
 _STOP = object()
 log = logging.getLogger("r3cache.store")
 _IDLE_POLL = 0.5  # seconds between an idle writer's looks at whether the store closed
@@ -41,7 +39,8 @@ class BackgroundBlockStore:
     def __init__(self, inner: BlockStore, max_pending: int = DEFAULT_MAX_PENDING,
                  max_wait: float = 10.0, on_unavailable: str = "raise") -> None:
         if on_unavailable not in POLICIES:
-            raise ContractError(f"on_unavailable must be one of {POLICIES}")
+            raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
+                                f"{on_unavailable!r:.40}")
         self.inner = inner
         self.max_wait = max_wait
         self.on_unavailable = on_unavailable
