@@ -45,13 +45,13 @@ def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None, max_id:
         out.append(rows)
     if layers is None or not out:
         return out
-    count = out[0].shape[1]
+    num_layers = out[0].shape[1]
     try:
         picked = [operator.index(x) for x in layers]
     except TypeError:
         raise ContractError(f"layers must be a sequence of ints, not {layers!r:.80}") from None
-    if any(not -count <= x < count for x in picked):
-        raise ContractError(f"layers {picked} outside the routes' {count} layers")
+    if any(not -num_layers <= x < num_layers for x in picked):
+        raise ContractError(f"layers {picked} outside the routes' {num_layers} layers")
     return [rows[:, picked] for rows in out]
 
 
