@@ -1,8 +1,9 @@
-"""Checks of the plain arguments of public entry points: counts and bounded waits."""
+"""Checks of the plain arguments of public entry points: counts, indices and bounded waits."""
 
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -23,6 +24,19 @@ def count(value: object, name: str, minimum: int = 0,
     if value < minimum:
         raise error(f"{name} must be >= {minimum}, not {value}")
     return int(value)
+
+
+def layer_indices(layers: object, num_layers: int, of: str) -> list[int]:
+    """``layers`` as ints that index ``num_layers`` layers (negative from the end), or a
+    ContractError naming those out of range (``of``: whose layers they are)."""
+    try:
+        picked = [operator.index(x) for x in layers]
+    except TypeError:
+        raise ContractError(f"layers must be a sequence of ints, not {layers!r:.80}") from None
+    bad = [x for x in picked if not -num_layers <= x < num_layers]
+    if bad:
+        raise ContractError(f"layers {bad} outside {of} {num_layers} layers")
+    return picked
 
 
 def seconds(value: object, name: str) -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from r3cache.checks import seconds
+from r3cache.checks import layer_indices, seconds
 from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
@@ -174,24 +173,15 @@ class R3Reader:
             if dtype.kind not in "iu" or np.iinfo(dtype).max < self.layout.num_experts - 1:
                 raise ContractError(f"dtype {dtype} cannot hold expert IDs up to "
                                     f"{self.layout.num_experts - 1}")
-        count = self.layout.num_layers
         if layers is None:
             return dtype, layers
         if isinstance(layers, slice):
             try:
-                range(count)[layers]
+                range(self.layout.num_layers)[layers]
             except (TypeError, ValueError) as exc:  # a bound that is not an int, a step 0
                 raise ContractError(f"layers {layers}: {exc}") from None
             return dtype, layers
-        try:
-            layers = [operator.index(x) for x in layers]
-        except TypeError:
-            raise ContractError(f"layers must be a slice or a sequence of ints, not "
-                                f"{layers!r:.80}") from None
-        bad = [x for x in layers if not -count <= x < count]
-        if bad:
-            raise ContractError(f"layers {bad} outside the namespace's {count} layers")
-        return dtype, layers
+        return dtype, layer_indices(layers, self.layout.num_layers, "the namespace's")
 
     def _fetch(self, manifests: list[Manifest], plans: list[_Plan]) -> None:
         """Decode every stored block of ``manifests`` into its place, in one store call."""

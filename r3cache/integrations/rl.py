@@ -9,12 +9,11 @@ Errors are ContractError naming the sequence.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import numpy as np
 
-from r3cache.checks import count
+from r3cache.checks import count, layer_indices
 from r3cache.errors import ContractError
 
 
@@ -45,13 +44,7 @@ def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None, max_id:
         out.append(rows)
     if layers is None or not out:
         return out
-    num_layers = out[0].shape[1]
-    try:
-        picked = [operator.index(x) for x in layers]
-    except TypeError:
-        raise ContractError(f"layers must be a sequence of ints, not {layers!r:.80}") from None
-    if any(not -num_layers <= x < num_layers for x in picked):
-        raise ContractError(f"layers {picked} outside the routes' {num_layers} layers")
+    picked = layer_indices(layers, out[0].shape[1], "the routes'")
     return [rows[:, picked] for rows in out]
 
 
