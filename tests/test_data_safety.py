@@ -598,17 +598,25 @@ def test_bad_command_lines_get_one_line_and_exit_2(redis_url, namespace, tmp_pat
 
 
 def test_store_options_and_names_are_checked(redis_url, reliability):
+    # A socket timeout of inf or NaN, or a pool of no connection, would make a wait on Redis
+    # unbounded or every call fail; a float count would be truncated.
     for options in ({"idle_ttl": 0}, {"idle_ttl": -1}, {"lease_ttl": float("nan")},
-                    {"manifest_ttl": float("inf")}):
+                    {"manifest_ttl": float("inf")}, {"socket_timeout": float("inf")},
+                    {"socket_timeout": -1}, {"socket_connect_timeout": float("nan")},
+                    {"pool_size": 0}, {"retries": 2.5}, {"wait_replicas": 1.5}):
         with pytest.raises(ContractError):
             open_store(redis_url, layout=LAYOUT, namespace="test-opts", **options)
+    with pytest.raises(ContractError):
+        open_store(f"{redis_url}?socket_timeout=inf", layout=LAYOUT, namespace="test-opts")
     with pytest.raises(ContractError):
         open_store(redis_url, layout=LAYOUT, namespace="test-name\n")
     with pytest.raises(LayoutError):
         RoutingLayout(num_layers=2, topk=2, num_experts=2**40)
-    reliability("idle_ttl 0 or -1, lease_ttl NaN, manifest_ttl inf, a namespace with a "
-                "trailing newline, num_experts 2**40", "open_store, RoutingLayout",
-                "typed errors before anything is written", "7/7 refused")
+    reliability("idle_ttl 0 or -1, lease_ttl NaN, manifest_ttl inf, socket_timeout inf (as "
+                "an option and in the URL) or -1, socket_connect_timeout NaN, pool_size 0, "
+                "retries 2.5, wait_replicas 1.5, a namespace with a trailing newline, "
+                "num_experts 2**40", "open_store, RoutingLayout",
+                "typed errors before anything is written", "14/14 refused")
 
 
 def test_connector_sizes_and_waits_are_checked_before_any_writer_starts(redis_url, namespace,

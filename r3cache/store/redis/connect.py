@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
@@ -24,14 +26,34 @@ def _flag(value: Any) -> bool:
     return str(value).lower() not in ("0", "false", "no")
 
 
+def _int(value: Any) -> int:
+    """An int, or one in a URL query's digits: a float is refused, not truncated."""
+    return int(value) if isinstance(value, str) else operator.index(value)
+
+
+def _pool_size(value: Any) -> int:
+    size = _int(value)
+    if size < 1:
+        raise ValueError("a pool holds one connection at least")
+    return size
+
+
+def _timeout(value: Any) -> float:
+    """Seconds a socket waits: finite and positive, so every wait on Redis is bounded."""
+    seconds = float(value)
+    if not 0 < seconds < math.inf:
+        raise ValueError("a socket timeout is a finite number of seconds > 0")
+    return seconds
+
+
 # Options r3cache reads itself; everything else goes to the redis-py client.
 _STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
-    "idle_ttl": float, "lease_ttl": float, "manifest_ttl": float, "owner": str, "retries": int,
-    "hash_algo": str, "wait_replicas": int, "wait_timeout": float, "codec": str,
+    "idle_ttl": float, "lease_ttl": float, "manifest_ttl": float, "owner": str, "retries": _int,
+    "hash_algo": str, "wait_replicas": _int, "wait_timeout": float, "codec": str,
     "janitor": _flag, "lease": _flag,
 }
 _CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {
-    "pool_size": int, "socket_timeout": float, "socket_connect_timeout": float,
+    "pool_size": _pool_size, "socket_timeout": _timeout, "socket_connect_timeout": _timeout,
     "username": str, "password": str,
 }
 
