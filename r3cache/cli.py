@@ -35,33 +35,34 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--store", default="memory://", help="block store URL (default: %(default)s)")
     demo.add_argument("--namespace", default="demo@sim", help="namespace tied to the weights")
-    demo.add_argument("--prompts", type=int, default=None,
+    demo.add_argument("--prompts", type=_positive, default=None,
                       help="distinct prompts (default: 16, or 4 with --model)")
-    demo.add_argument("--samples", type=int, default=None,
+    demo.add_argument("--samples", type=_positive, default=None,
                       help="samples per prompt (default: 8, or 4 with --model)")
     demo.add_argument("--model", default=None, metavar="NAME",
                       help="compute routes with a tiny transformers MoE model: "
                            "mixtral-tiny, qwen2-moe-tiny, qwen3-moe-tiny, olmoe-tiny, "
                            "deepseek-v3-tiny, gpt-oss-tiny (those the installed "
                            "transformers has); needs the 'models' extra")
-    demo.add_argument("--model-layers", type=int, default=4,
+    demo.add_argument("--model-layers", type=_positive, default=4,
                       help="decoder layers of the tiny model (default: %(default)s)")
     demo.add_argument("--route-layers", choices=("moe", "all"), default="moe",
                       help="with --model: keep MoE layers only, or every decoder layer "
                            "(dense layers then hold the filler 0..topk-1)")
-    demo.add_argument("--layers", type=int, default=48, help="oracle layout: MoE layers")
-    demo.add_argument("--topk", type=int, default=8, help="oracle layout: experts per token")
-    demo.add_argument("--experts", type=int, default=128, help="oracle layout: experts")
-    demo.add_argument("--block-size", type=int, default=16,
+    demo.add_argument("--layers", type=_positive, default=48, help="oracle layout: MoE layers")
+    demo.add_argument("--topk", type=_positive, default=8, help="oracle layout: experts per token")
+    demo.add_argument("--experts", type=_positive, default=128, help="oracle layout: experts")
+    demo.add_argument("--block-size", type=_positive, default=16,
                       help="tokens per stored block, the KV block size (default: %(default)s)")
-    demo.add_argument("--spec-tokens", type=int, default=3, help="draft tokens per decode step")
+    demo.add_argument("--spec-tokens", type=_non_negative, default=3,
+                      help="draft tokens per decode step")
     demo.add_argument("--async-depth", type=int, default=2, choices=(1, 2),
                       help="steps in flight before the oldest is processed (default: %(default)s)")
-    demo.add_argument("--max-num-seqs", type=int, default=64,
+    demo.add_argument("--max-num-seqs", type=_positive, default=64,
                       help="most requests running at once (default: %(default)s)")
-    demo.add_argument("--max-batched-tokens", type=int, default=2048,
+    demo.add_argument("--max-batched-tokens", type=_positive, default=2048,
                       help="most tokens in one engine step (default: %(default)s)")
-    demo.add_argument("--kv-blocks", type=int, default=512,
+    demo.add_argument("--kv-blocks", type=_positive, default=512,
                       help="KV cache pool in blocks; small enough to force preemptions")
     demo.add_argument("--seed", type=int, default=0,
                       help="seed of the workload, the sampler and the tiny model (default: 0)")
@@ -394,12 +395,20 @@ def _file_name(position: int, request_id: str) -> str:
 
 
 def _positive(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def _non_negative(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+def _int_at_least(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
     return value
 
 

@@ -573,6 +573,8 @@ def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path, reli
     ["export", "REDIS", "--namespace", "NS", "--out", "OUT", "--batch", "0"],
     ["export", "REDIS", "--namespace", "NS", "--out", "OUT", "--batch", "-1"],
     ["inspect", "redis://user:se#cret-pw@127.0.0.1:6379/0"],
+    ["demo", "--prompts", "-1"],
+    ["demo", "--spec-tokens", "-1"],
 ])
 def test_bad_command_lines_get_one_line_and_exit_2(redis_url, namespace, tmp_path, args,
                                                   reliability):
