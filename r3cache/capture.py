@@ -11,12 +11,14 @@ Requires torch (the ``torch`` extra).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
+from r3cache.checks import count
 from r3cache.errors import CaptureError, LayoutMismatchError
 from r3cache.layout import RoutingLayout
 
@@ -51,15 +53,19 @@ class RoutedExpertsCapturer:
     ) -> None:
         if layers not in LAYER_CHOICES:
             raise CaptureError(f"layers must be one of {LAYER_CHOICES}, not {layers!r}")
-        moe = sorted({int(i) for i in moe_layers})
+        try:
+            moe = sorted({operator.index(i) for i in moe_layers})
+        except TypeError:
+            raise CaptureError(f"moe_layers must be layer indices, got {moe_layers!r:.80}"
+                               ) from None
         if not moe or moe[0] < 0:
             raise CaptureError(f"moe_layers must be non-negative layer indices, got {moe_layers!r}")
         if num_model_layers is None:
             num_model_layers = moe[-1] + 1
         if moe[-1] >= num_model_layers:
             raise CaptureError(f"MoE layer {moe[-1]} >= num_model_layers {num_model_layers}")
-        if max_num_batched_tokens < 1:
-            raise CaptureError("max_num_batched_tokens must be >= 1")
+        max_num_batched_tokens = count(max_num_batched_tokens, "max_num_batched_tokens", 1,
+                                       CaptureError)
         width = len(moe) if layers == "moe" else num_model_layers
         if layout.num_layers != width:
             raise LayoutMismatchError(
@@ -100,6 +106,10 @@ class RoutedExpertsCapturer:
                 f"layer {layer_id}: topk_ids have shape {tuple(topk_ids.shape)}, expected "
                 f"(tokens, {self.layout.topk})"
             )
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+            # The narrowing copy would truncate them into other experts' IDs, unseen.
+            raise CaptureError(f"layer {layer_id}: topk_ids hold {topk_ids.dtype}, not "
+                               "integer expert IDs")
         end = self._offset + topk_ids.shape[0]
         if end > self.max_num_batched_tokens:
             raise CaptureError(

@@ -111,6 +111,13 @@ def test_contract_errors_are_typed():
         capturer.capture(1, torch.zeros(9, 2, dtype=torch.long))
     with pytest.raises(CaptureError, match="snapshot"):
         capturer.snapshot(9)
+    # The narrowing copy would truncate them into other experts' IDs.
+    with pytest.raises(CaptureError, match="float32"):
+        capturer.capture(1, torch.full((2, 2), 1.5))
+    with pytest.raises(CaptureError, match="moe_layers"):
+        RoutedExpertsCapturer(layout, 8, moe_layers=[1.5, 3])
+    with pytest.raises(CaptureError, match="max_num_batched_tokens"):
+        RoutedExpertsCapturer(layout, 8.5, moe_layers=[1, 3])
     with pytest.raises(CaptureError, match="layers"):
         RoutedExpertsCapturer(layout, 8, moe_layers=[1, 3], layers="dense")
     with pytest.raises(LayoutMismatchError):
