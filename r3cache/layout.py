@@ -83,9 +83,13 @@ class RoutingLayout:
             version, layers, topk, experts, block, _dtype = fingerprint.split(":")
             if version != _FINGERPRINT_VERSION:
                 raise ValueError(version)
-            return cls(int(layers[1:]), int(topk[1:]), int(experts[1:]), int(block[1:]))
-        except (ValueError, IndexError) as exc:
-            raise LayoutMismatchError(f"not a layout fingerprint: {fingerprint!r}") from exc
+            layout = cls(int(layers[1:]), int(topk[1:]), int(experts[1:]), int(block[1:]))
+        except (ValueError, IndexError, AttributeError) as exc:
+            raise LayoutMismatchError(f"not a layout fingerprint: {fingerprint!r:.80}") from exc
+        if layout.fingerprint != fingerprint:  # a dtype this layout does not store in
+            raise LayoutMismatchError(f"fingerprint {fingerprint!r:.80} is not this version's "
+                                      f"for its sizes ({layout.fingerprint})")
+        return layout
 
     def empty_rows(self, num_tokens: int = 0) -> np.ndarray:
         return np.empty((num_tokens, *self.row_shape), dtype=self.dtype)

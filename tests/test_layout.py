@@ -41,8 +41,10 @@ def test_fingerprint_is_stable_and_round_trips():
     assert layout.fingerprint == "r3l1:L48:K8:E128:B16:|u1"
     assert RoutingLayout.from_fingerprint(layout.fingerprint) == layout
     assert RoutingLayout(48, 8, 129, 16).fingerprint != layout.fingerprint
-    with pytest.raises(LayoutMismatchError):
-        RoutingLayout.from_fingerprint("L48:K8")
+    # A dtype the sizes do not store in would decode every block wrongly.
+    for bad in ("L48:K8", "r3l1:L48:K8:E128:B16:|f4", "r3l1:L48:K8:E128:B16:<u2", None):
+        with pytest.raises(LayoutMismatchError):
+            RoutingLayout.from_fingerprint(bad)
 
 
 def test_check_rows_rejects_wrong_shapes_and_dtypes():
