@@ -28,6 +28,7 @@ from r3cache import (
 )
 from r3cache.errors import (
     ContractError,
+    GenerationError,
     InvalidBatchError,
     LayoutError,
     MetadataError,
@@ -701,6 +702,14 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
             worker.begin_step(StepMetadata(0, {"new": -3}, {}, ()))
         with pytest.raises(MetadataError, match="finished twice"):  # its slot freed twice
             worker.begin_step(StepMetadata(0, {}, {}, ("r", "r")))
+        # A str or bytes of hashes would be keyed per character: keys other blocks share.
+        for hashes in ("abcd", b"\x01" * 64, 5):
+            with pytest.raises(InvalidBatchError, match="block hashes"):
+                worker.begin_step(StepMetadata(0, {}, {"r": hashes}, ()))
+        with pytest.raises(MetadataError, match="not a str"):
+            worker.begin_step(StepMetadata(0, {}, {}, "r"))
+        with pytest.raises(GenerationError):  # 0.5 > 0 would have reset the prefix cache
+            worker.begin_step(StepMetadata(0.5, {}, {}, ()))
         assert worker.num_requests == 1
         # The request is untouched: its rows still start at 0.
         pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 5])),
@@ -709,7 +718,8 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
         np.testing.assert_array_equal(worker.process_output(pending)["r"].rows, good)
         reliability("expert ID >= num_experts, an expert twice in a row, float positions, "
                     "a request id with a lone surrogate, a negative emit start, a request "
-                    "finished twice in one step", "one request",
+                    "finished twice in one step, a str, bytes or int as a request's block "
+                    "hashes, a str as finished_requests, generation 0.5", "one request",
                     "InvalidBatchError / ContractError before any state or store change",
                     "0 blocks stored; the request then runs from position 0")
     finally:

@@ -41,6 +41,11 @@ class PackedHashes(NamedTuple):
 
 def block_keys(hashes: Sequence[BlockHash] | PackedHashes) -> list[str]:
     """The store keys of one request's block hashes, in order."""
+    if isinstance(hashes, (str, bytes, bytearray)) or not isinstance(hashes, Sequence):
+        # A str or bytes would be keyed character by character: blocks under keys that
+        # other blocks share. PackedHashes is a tuple, so it passes the Sequence test.
+        raise InvalidBatchError(f"a request's block hashes are a sequence of hashes or "
+                                f"PackedHashes, not {type(hashes).__name__}")
     if isinstance(hashes, PackedHashes):
         size = hashes.item_size
         if size < 1 or len(hashes.data) % size:

@@ -279,10 +279,14 @@ class WorkerConnector:
         A finished request that an unconsumed step still covers is torn down by
         that step's process_output instead.
         """
+        if not checks.is_int(metadata.generation):
+            raise GenerationError(f"the generation is an int, not {metadata.generation!r:.40}")
         if metadata.generation < self._generation:
             raise GenerationError(
                 f"generation moved backwards from {self._generation} to {metadata.generation}"
             )
+        if isinstance(metadata.finished_requests, str):  # one id, not a list of its letters
+            raise MetadataError("finished_requests is a collection of request ids, not a str")
         finishing = list(metadata.finished_requests)
         finished = set(finishing)
         if len(finished) != len(finishing):  # a slot freed twice would serve two requests
