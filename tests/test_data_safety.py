@@ -710,6 +710,9 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
             worker.begin_step(StepMetadata(0, {}, {}, "r"))
         with pytest.raises(GenerationError):  # 0.5 > 0 would have reset the prefix cache
             worker.begin_step(StepMetadata(0.5, {}, {}, ()))
+        for fields in ((["r"], {}), ({}, [("r", [b"\x01" * 32])])):
+            with pytest.raises(MetadataError, match="maps request ids"):
+                worker.begin_step(StepMetadata(0, *fields, ()))
         assert worker.num_requests == 1
         # The request is untouched: its rows still start at 0.
         pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 5])),
@@ -719,7 +722,8 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
         reliability("expert ID >= num_experts, an expert twice in a row, float positions, "
                     "a request id with a lone surrogate, a negative emit start, a request "
                     "finished twice in one step, a str, bytes or int as a request's block "
-                    "hashes, a str as finished_requests, generation 0.5", "one request",
+                    "hashes, a str as finished_requests, generation 0.5, lists where "
+                    "the metadata maps request ids", "one request",
                     "InvalidBatchError / ContractError before any state or store change",
                     "0 blocks stored; the request then runs from position 0")
     finally:

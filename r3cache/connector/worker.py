@@ -6,7 +6,7 @@ import logging
 import operator
 import threading
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import count, filterfalse, repeat
 from typing import Any
@@ -287,6 +287,10 @@ class WorkerConnector:
             )
         if isinstance(metadata.finished_requests, str):  # one id, not a list of its letters
             raise MetadataError("finished_requests is a collection of request ids, not a str")
+        for name in ("requests", "block_hashes", "completions", "record_as"):
+            if not isinstance(getattr(metadata, name), Mapping):
+                raise MetadataError(f"step metadata's {name} maps request ids, not "
+                                    f"{type(getattr(metadata, name)).__name__}")
         finishing = list(metadata.finished_requests)
         finished = set(finishing)
         if len(finished) != len(finishing):  # a slot freed twice would serve two requests
