@@ -696,6 +696,9 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
         with pytest.raises(InvalidBatchError, match="integers"):
             worker.prepare_output(StepBatch(["r"], np.array([0.5]), np.array([0, 5])),
                                   routed_experts=good)
+        with pytest.raises(InvalidBatchError, match="not a str"):
+            worker.prepare_output(StepBatch("r", np.array([0]), np.array([0, 5])),
+                                  routed_experts=good)
         with pytest.raises(ContractError):
             worker.begin_step(StepMetadata(0, {"bad\ud800": 0}, {}, ()))
         with pytest.raises(InvalidBatchError, match="'new': the emit start must be >= 0"):
@@ -722,8 +725,8 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
         reliability("expert ID >= num_experts, an expert twice in a row, float positions, "
                     "a request id with a lone surrogate, a negative emit start, a request "
                     "finished twice in one step, a str, bytes or int as a request's block "
-                    "hashes, a str as finished_requests, generation 0.5, lists where "
-                    "the metadata maps request ids", "one request",
+                    "hashes, a str as finished_requests or req_ids, generation 0.5, "
+                    "lists where the metadata maps request ids", "one request",
                     "InvalidBatchError / ContractError before any state or store change",
                     "0 blocks stored; the request then runs from position 0")
     finally:

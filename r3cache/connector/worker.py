@@ -530,6 +530,8 @@ class WorkerConnector:
         self, batch: StepBatch, routed_experts: np.ndarray | None = None
     ) -> PendingOutput:
         """Take one executed step's rows; call enqueue_cpu_copy, then process_output."""
+        if isinstance(batch.req_ids, str):  # one id, not a batch of its letters
+            raise InvalidBatchError("req_ids is a sequence of request ids, not a str")
         req_ids = list(batch.req_ids)
         n = len(req_ids)
         qsl = _integers(batch.query_start_loc, "query_start_loc", n + 1)
