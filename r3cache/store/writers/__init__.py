@@ -15,6 +15,12 @@ WRITERS = ("auto", "thread", "process")
 POLICIES = ("raise", "incomplete")
 
 
+def check_policy(on_unavailable: object) -> None:
+    if on_unavailable not in POLICIES:
+        raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
+                            f"{on_unavailable!r:.40}")
+
+
 def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
     """``inline``, ``thread`` or ``process``: how an engine writes to ``store``.
 
@@ -29,9 +35,7 @@ def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
     """
     if writer not in WRITERS:
         raise ContractError(f"writer must be 'auto', 'thread' or 'process', not {writer!r}")
-    if on_unavailable not in POLICIES:
-        raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
-                            f"{on_unavailable!r:.40}")
+    check_policy(on_unavailable)
     if isinstance(store, MemoryBlockStore):
         if writer == "process":
             raise ContractError("writer='process' cannot serve the embedded store (a helper "

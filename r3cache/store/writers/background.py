@@ -10,12 +10,12 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from r3cache.errors import ContractError, StoreClosedError, StoreUnavailableError, WriterError
+from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import BlockStore, StoreStats, check_put
 from r3cache.store.memory import MemoryBlockStore
-from r3cache.store.writers import POLICIES
+from r3cache.store.writers import check_policy
 from r3cache.store.writers.bounded import BoundedCalls, Stall, wait_while_progressing
 
 DEFAULT_MAX_PENDING = 512
@@ -38,9 +38,7 @@ class BackgroundBlockStore:
 
     def __init__(self, inner: BlockStore, max_pending: int = DEFAULT_MAX_PENDING,
                  max_wait: float = 10.0, on_unavailable: str = "raise") -> None:
-        if on_unavailable not in POLICIES:
-            raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
-                                f"{on_unavailable!r:.40}")
+        check_policy(on_unavailable)
         self.inner = inner
         self.max_wait = max_wait
         self.on_unavailable = on_unavailable
