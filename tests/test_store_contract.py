@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from r3cache import RoutingLayout, codec, open_store
-from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreClosedError
+from r3cache.errors import (
+    BlockNotFoundError,
+    ContractError,
+    LayoutMismatchError,
+    StoreClosedError,
+)
 from r3cache.manifest import BlockRef, Completion, Manifest
 from r3cache.store.memory import MemoryBlockStore
 
@@ -66,6 +71,23 @@ class TestStoreContract:
         np.testing.assert_array_equal(rows, np.concatenate([blk(2), blk(1), blk(2)]))
         np.testing.assert_array_equal(Raw(store).rows("k1"), blk(1))
         assert store.get_concatenated([]).shape == (0, 3, 2)
+
+    def test_reads_refuse_targets_they_cannot_fill_exactly(self, store):
+        """A store decodes a block's bytes into its target as they are: another dtype
+        would hold other numbers, so every backend refuses what it cannot fill exactly."""
+        store.put({"k1": blk(1)})
+        block = np.zeros(LAYOUT.block_shape, LAYOUT.dtype)
+        for keys, targets in ((["k1"], [block.astype(np.int64)]),
+                              (["k1"], [np.zeros((8, 3, 2), np.uint8)[::2]]),
+                              (["k1"], [block[:2]]), (["k1"], [block.tolist()]),
+                              (["k1", "k1"], [block]), ("k1", [block])):
+            with pytest.raises(ContractError):
+                store.read_into(keys, targets)
+        with pytest.raises(ContractError):
+            store.get_concatenated("k1")  # one key, not a sequence of its characters
+        assert not block.any()
+        store.read_into(["k1"], [block])
+        np.testing.assert_array_equal(block, blk(1))
 
     def test_a_missing_block_is_a_typed_error_naming_namespace_and_keys(self, store):
         store.put({"present": blk(1)})
@@ -133,7 +155,6 @@ class TestStoreContract:
         Manifest("", LAYOUT.fingerprint, Completion(0, 5), [BlockRef("k", 0, 4)]),
     ], ids=["layout", "extent", "slice", "key", "dtype", "completion", "id"])
     def test_a_manifest_no_reader_could_use_is_refused_and_nothing_changes(self, store, bad):
-        from r3cache.errors import ContractError
 
         raw = Raw(store)
         store.put({"held": blk(2)}, retain_keys=["held"])

@@ -41,10 +41,33 @@ def check_keys(keys: Sequence[object]) -> None:
 
 
 def check_key_types(keys: Sequence[object]) -> None:
-    """Refuse keys to read that are not str (a writer's variants may hold "~")."""
+    """Refuse keys to read that are not a sequence of str (a writer's variants may hold
+    "~"): one str would be read character by character."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise ContractError(f"block keys to read are a sequence of str, not "
+                            f"{type(keys).__name__}")
     if keys and set(map(type, keys)) != {str}:
         bad = next(k for k in keys if not isinstance(k, str))
         raise ContractError(f"block keys are str, not {type(bad).__name__} ({bad!r:.80})")
+
+
+def check_targets(layout: RoutingLayout, keys: Sequence[str],
+                  targets: Sequence[np.ndarray]) -> None:
+    """Refuse read_into's targets before anything is read: one per key, each a writeable,
+    C-contiguous block of the layout's shape and dtype. A store decodes a block's bytes
+    into its target as they are, so another dtype would hold other numbers."""
+    check_key_types(keys)
+    if len(targets) != len(keys):
+        raise ContractError(f"{len(targets)} targets for {len(keys)} keys")
+    shape, dtype = layout.block_shape, layout.dtype
+    for target in targets:
+        if (target.__class__ is not np.ndarray or target.shape != shape
+                or target.dtype != dtype or not target.flags.c_contiguous
+                or not target.flags.writeable):
+            raise ContractError(
+                f"a read_into target is a writeable C-contiguous {dtype} array of shape "
+                f"{shape}, not {type(target).__name__} "
+                f"{getattr(target, 'shape', '')} {getattr(target, 'dtype', '')}")
 
 
 def check_put(layout: RoutingLayout, objects: Mapping[str, np.ndarray],

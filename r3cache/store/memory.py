@@ -14,7 +14,7 @@ from r3cache.errors import BlockNotFoundError, StoreClosedError, StoreFullError
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest, check_request_id
-from r3cache.store.base import StoreStats, check_key_types, check_put
+from r3cache.store.base import StoreStats, check_key_types, check_put, check_targets
 
 DEFAULT_MAX_BYTES = 1 << 30
 
@@ -243,6 +243,8 @@ class MemoryBlockStore:
         return last, unheld
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
+        if isinstance(keys, (str, bytes)):  # one test on an engine's prefix-hit path
+            check_key_types(keys)
         with self._lock:
             self._check_open()
             missing = [k for k in keys if k not in self._blocks]
@@ -275,6 +277,7 @@ class MemoryBlockStore:
             self._idle_bytes = self._used = 0
 
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
+        check_targets(self.layout, keys, targets)
         missing = self.read_present(keys, targets)
         if missing:
             check_key_types([keys[i] for i in missing])

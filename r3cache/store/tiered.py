@@ -9,7 +9,7 @@ import numpy as np
 
 from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreFullError
 from r3cache.manifest import Manifest
-from r3cache.store.base import BlockStore, StoreStats, check_put
+from r3cache.store.base import BlockStore, StoreStats, check_put, check_targets
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import ProcessWriter
@@ -76,6 +76,7 @@ class TieredBlockStore:
         return out
 
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
+        check_targets(self.layout, keys, targets)
         missing = self.local.read_present(keys, targets)
         if not missing:
             return

@@ -30,7 +30,13 @@ from r3cache.errors import (
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import BlockRef, Manifest, check_request_id
-from r3cache.store.base import StoreStats, check_key_types, check_keys, check_put
+from r3cache.store.base import (
+    StoreStats,
+    check_key_types,
+    check_keys,
+    check_put,
+    check_targets,
+)
 from r3cache.store.redis.errors import redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, KeySchema, check_name, manifest_owner
 from r3cache.store.redis.nodes import CHUNK, ClusterNodes, SingleNode, execute
@@ -412,17 +418,21 @@ class RedisBlockStore:
         self._variants.update(variants)
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
+        check_key_types(keys)
         bs = self.layout.block_size
         out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
-        self.read_into(keys, [out[n * bs : (n + 1) * bs] for n in range(len(keys))])
+        self._decode_into(keys, [out[n * bs : (n + 1) * bs] for n in range(len(keys))])
         return out
 
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
         """Decode block ``keys[i]`` into ``targets[i]`` (C-contiguous, ``block_shape``)."""
+        check_targets(self.layout, keys, targets)
+        self._decode_into(keys, targets)
+
+    def _decode_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
         self._check_open()
         if not keys:
             return
-        check_key_types(keys)
         first: dict[str, int] = {}  # key -> its first position in ``keys``
         for n, key in enumerate(keys):
             first.setdefault(key, n)
