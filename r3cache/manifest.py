@@ -9,7 +9,7 @@ other change.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -36,6 +36,16 @@ def check_request_id(request_id: object) -> str:
         raise ContractError(f"request id {request_id!r:.80} cannot be encoded as UTF-8 (a lone "
                             "surrogate?)") from None
     return request_id
+
+
+def check_request_ids(request_ids: object) -> list[str]:
+    """``request_ids`` as a list of ids that can name manifests. One str is refused, not
+    taken as its characters: releasing ``"12"`` would release requests ``1`` and ``2``."""
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+        one = "one " if isinstance(request_ids, (str, bytes)) else ""
+        raise ContractError(f"a sequence of request ids is wanted, not {one}"
+                            f"{type(request_ids).__name__} ({request_ids!r:.80})")
+    return [check_request_id(r) for r in request_ids]
 
 
 class Completion(NamedTuple):

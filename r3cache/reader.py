@@ -19,7 +19,7 @@ from r3cache.errors import (
 )
 from r3cache.hashing import DEFAULT_SEED, block_hashes
 from r3cache.layout import RoutingLayout
-from r3cache.manifest import BlockRef, Manifest, check_request_id
+from r3cache.manifest import BlockRef, Manifest, check_request_ids
 from r3cache.metrics import SOURCES, ReaderStats
 from r3cache.store.base import BlockStore
 
@@ -113,9 +113,7 @@ class R3Reader:
         request's manifest a moment after its response (its next step, then the
         writer), so a trainer reading right after a rollout passes a few seconds.
         """
-        if isinstance(request_ids, str):
-            raise ContractError("get_many takes a sequence of request ids, not one str")
-        request_ids = [check_request_id(r) for r in request_ids]
+        request_ids = check_request_ids(request_ids)
         dtype, layers = self._selection(dtype, layers)
         wait = seconds(wait, "wait")
         began = time.perf_counter()
@@ -283,7 +281,7 @@ class R3Reader:
 
     def release(self, *request_ids: str) -> int:
         """Delete these requests' manifests and their holds; the blocks may then expire."""
-        return self.store.release_manifests([check_request_id(r) for r in request_ids])
+        return self.store.release_manifests(check_request_ids(request_ids))
 
     def get_by_tokens(self, token_ids: Sequence[int], *, dtype: Any = None,
                       layers: Sequence[int] | slice | None = None, seed: str = DEFAULT_SEED,

@@ -114,6 +114,17 @@ class TestStoreContract:
         store.release_manifests(["req"])
         store.put({}, release_keys=["k"])
 
+    def test_one_str_of_request_ids_is_refused_not_read_per_character(self, store):
+        """release_manifests("12") would release requests 1 and 2 (vLLM's offline ids)."""
+        manifests = [Manifest(r, LAYOUT.fingerprint, Completion(0, 5), [BlockRef("k", 0, 4)])
+                     for r in ("1", "2")]
+        store.put({"k": blk(1)}, manifests=manifests)
+        for call in (store.release_manifests, store.get_manifests):
+            with pytest.raises(ContractError):
+                call("12")
+        assert [m.request_id for m in store.get_manifests(["1", "2"])] == ["1", "2"]
+        assert store.release_manifests(["1", "2"]) == 2
+
     def test_first_writer_wins_and_conflicts_are_counted(self, store):
         store.put({"k": blk(1)})
         store.put({"k": blk(1)})

@@ -13,7 +13,7 @@ import numpy as np
 from r3cache.errors import BlockNotFoundError, StoreClosedError, StoreFullError
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
-from r3cache.manifest import Manifest, check_request_id
+from r3cache.manifest import Manifest, check_request_ids
 from r3cache.store.base import StoreStats, check_key_types, check_put, check_targets
 
 DEFAULT_MAX_BYTES = 1 << 30
@@ -117,14 +117,14 @@ class MemoryBlockStore:
             self._release(reversed(list(retain_keys)))
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
-        request_ids = [check_request_id(r) for r in request_ids]
+        request_ids = check_request_ids(request_ids)
         with self._lock:
             self._check_open()
             found = [self._manifests.get(r) for r in request_ids]
         return [m and m.own_copy() for m in found]
 
     def release_manifests(self, request_ids: Sequence[str]) -> int:
-        request_ids = [check_request_id(r) for r in request_ids]
+        request_ids = check_request_ids(request_ids)
         with self._lock:
             self._check_open()
             found = [self._manifests.pop(r) for r in request_ids if r in self._manifests]

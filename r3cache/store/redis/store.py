@@ -29,7 +29,7 @@ from r3cache.errors import (
 )
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
-from r3cache.manifest import BlockRef, Manifest, check_request_id
+from r3cache.manifest import BlockRef, Manifest, check_request_ids
 from r3cache.store.base import (
     StoreStats,
     check_key_types,
@@ -330,7 +330,8 @@ class RedisBlockStore:
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         self._check_open()
-        keys = [self.keys.manifest(check_request_id(r)) for r in request_ids]
+        request_ids = check_request_ids(request_ids)
+        keys = [self.keys.manifest(r) for r in request_ids]
         found: list[Manifest | None] = [None] * len(keys)
         with redis_errors(self.namespace, "reading manifests"):
             for indices, replies in self._execute(
@@ -349,7 +350,8 @@ class RedisBlockStore:
         from r3cache.store.redis.janitor import release_manifests
 
         self._check_open()
-        names = [self.keys.manifest(check_request_id(r)) for r in request_ids]
+        request_ids = check_request_ids(request_ids)
+        names = [self.keys.manifest(r) for r in request_ids]
         with redis_errors(self.namespace, "releasing manifests"):
             present = [r for r, n in zip(request_ids, self.per_key(names, lambda k: ("EXISTS", k)))
                        if n]
