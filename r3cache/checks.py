@@ -1,4 +1,5 @@
-"""Checks of the plain arguments of public entry points: counts, indices and bounded waits."""
+"""Checks of the plain arguments of public entry points: counts, indices, expert IDs and
+bounded waits."""
 
 from __future__ import annotations
 
@@ -24,6 +25,19 @@ def count(value: object, name: str, minimum: int = 0,
     if value < minimum:
         raise error(f"{name} must be >= {minimum}, not {value}")
     return int(value)
+
+
+def id_range_problem(rows: np.ndarray, max_id: int) -> str | None:
+    """Why ``rows`` cannot be read as expert IDs in ``0 .. max_id``, or None: a float would
+    be truncated, and a wider int wrapped, into another expert."""
+    if not rows.size:
+        return None
+    if rows.dtype.kind not in "iu":
+        return f"hold {rows.dtype}, not integer expert IDs"
+    low, high = int(rows.min()), int(rows.max())
+    if low < 0 or high > max_id:
+        return f"hold expert IDs {low}..{high}, outside 0..{max_id}"
+    return None
 
 
 def layer_indices(layers: object, num_layers: int, of: str) -> list[int]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from r3cache.checks import count
+from r3cache.checks import count, id_range_problem
 from r3cache.errors import ReplayError
 from r3cache.layout import repeats_by_columns
 
@@ -134,17 +134,13 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
 
 
 def _check_ids(name: str, rows: np.ndarray, num_experts: int) -> None:
-    """Rows a router could have picked: integer IDs below ``num_experts``, none twice in
-    one (token, layer). A float would be truncated into another expert, and an ID out of
-    range indexes past the router's experts on the device."""
-    if not rows.size:
-        return
-    if rows.dtype.kind not in "iu":
-        raise ReplayError(f"routes of {name!r} hold {rows.dtype}, not integer expert IDs")
-    if int(rows.min()) < 0 or int(rows.max()) >= num_experts:
-        raise ReplayError(f"routes of {name!r} hold expert IDs {int(rows.min())}.."
-                          f"{int(rows.max())}; the model's routers have {num_experts} experts")
-    if repeats_by_columns(rows):
+    """Rows a router could have picked: integer IDs below ``num_experts`` (one out of range
+    indexes past the router's experts on the device), none twice in one (token, layer)."""
+    problem = id_range_problem(rows, num_experts - 1)
+    if problem:
+        raise ReplayError(f"routes of {name!r} {problem} (the model's routers have "
+                          f"{num_experts} experts)")
+    if rows.size and repeats_by_columns(rows):
         raise ReplayError(f"routes of {name!r} name the same expert twice in one row")
 
 

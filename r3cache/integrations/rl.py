@@ -13,15 +13,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from r3cache.checks import count, layer_indices
+from r3cache.checks import count, id_range_problem, layer_indices
 from r3cache.errors import ContractError
 
 
 def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None, max_id: int,
              target: str) -> list[np.ndarray]:
     """Each sequence's routes, checked before any is converted: integer IDs in
-    ``0 .. max_id`` (what ``target`` holds; a float would be truncated, and a wider int
-    wrapped, into another expert), one (layers, topk) shape for all; then ``layers``."""
+    ``0 .. max_id`` (what ``target`` holds), one (layers, topk) shape for all; then
+    ``layers``."""
     if isinstance(routes, (str, bytes, np.ndarray)):
         raise ContractError("routes are a sequence of (tokens, layers, topk) arrays, one per "
                             f"sequence, not one {type(routes).__name__}")
@@ -34,13 +34,9 @@ def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None, max_id:
         if out and rows.shape[1:] != out[0].shape[1:]:
             raise ContractError(f"sequence {i} has routes of shape {rows.shape[1:]}, the first "
                                 f"{out[0].shape[1:]}")
-        if rows.size and rows.dtype.kind not in "iu":
-            raise ContractError(f"routes of sequence {i} hold {rows.dtype}, not integer "
-                                "expert IDs")
-        if rows.size and (int(rows.min()) < 0 or int(rows.max()) > max_id):
-            raise ContractError(f"routes of sequence {i} hold expert IDs "
-                                f"{int(rows.min())}..{int(rows.max())}, outside 0..{max_id} "
-                                f"({target})")
+        problem = id_range_problem(rows, max_id)
+        if problem:
+            raise ContractError(f"routes of sequence {i} {problem} ({target})")
         out.append(rows)
     if layers is None or not out:
         return out
