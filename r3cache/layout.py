@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -28,7 +29,11 @@ def narrowest_dtype(num_experts: int) -> np.dtype:
 
 @dataclass(frozen=True)
 class RoutingLayout:
-    """Own the per-token row shape ``(num_layers, topk)``, expert range and block size."""
+    """Own the per-token row shape ``(num_layers, topk)``, expert range and block size.
+
+    Its derived sizes and fingerprint are computed once (frozen: they cannot change), as
+    a step reads them many times.
+    """
 
     num_layers: int
     topk: int
@@ -53,23 +58,23 @@ class RoutingLayout:
             )
         object.__setattr__(self, "dtype", narrowest_dtype(self.num_experts))
 
-    @property
+    @cached_property
     def row_shape(self) -> tuple[int, int]:
         return (self.num_layers, self.topk)
 
-    @property
+    @cached_property
     def row_nbytes(self) -> int:
         return self.num_layers * self.topk * self.dtype.itemsize
 
-    @property
+    @cached_property
     def block_shape(self) -> tuple[int, int, int]:
         return (self.block_size, self.num_layers, self.topk)
 
-    @property
+    @cached_property
     def block_nbytes(self) -> int:
         return self.block_size * self.row_nbytes
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """A stable string naming everything a stored block's bytes depend on."""
         return (

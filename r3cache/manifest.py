@@ -9,7 +9,7 @@ other change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -111,24 +111,29 @@ class BlockSpan(Sequence):
             _same_segment(a, b) for a, b in zip(self, other))
 
     def __reduce__(self):
-        return BlockSpan, (self.head, self.keys, self.tail, self.block_size)
+        return _span, (_packed(self.head), self.keys, _packed(self.tail), self.block_size)
 
     @property
     def block_keys(self) -> list[str]:
         return [*_keys_of(self.head), *self.keys, *_keys_of(self.tail)]
 
 
-def _checked_rows(parts: Sequence[Segment], layout: RoutingLayout, where: str) -> int:
-    """How many rows ``parts`` name, each a slice of one block or rows of this layout."""
+def _checked_rows(parts: Sequence[Segment], layout: RoutingLayout,
+                  where: Callable[[], str]) -> int:
+    """How many rows ``parts`` name, each a slice of one block or rows of this layout
+    (``where`` names the manifest in an error)."""
     rows = 0
+    shape, dtype = layout.row_shape, layout.dtype
     for part in parts:
         if isinstance(part, BlockRef):
             key, start, stop = part
             if not isinstance(key, str) or not 0 <= start < stop <= layout.block_size:
-                raise ContractError(f"{where}: {part!r:.120} is not a slice of one block")
+                raise ContractError(f"{where()}: {part!r:.120} is not a slice of one block")
             rows += stop - start
             continue
-        layout.check_rows(part, f"{where}: inline rows")
+        if not (isinstance(part, np.ndarray) and part.shape[1:] == shape and part.ndim == 3
+                and part.dtype == dtype):
+            layout.check_rows(part, f"{where()}: inline rows")  # raises, naming the fault
         rows += len(part)
     return rows
 
@@ -149,6 +154,32 @@ def _same_segment(a: Segment, b: Segment) -> bool:
     if isinstance(a, BlockRef) or isinstance(b, BlockRef):
         return a == b
     return np.array_equal(a, b)
+
+
+def _packed(segments: Sequence[Segment]) -> list:
+    """Segments to pickle, inline rows as a plain (bytes, dtype, shape) tuple: several
+    times faster to pickle and load than an ndarray (a put that finishes requests is
+    pickled on the engine's thread for the writer process)."""
+    return [(s.tobytes(), s.dtype.str, s.shape) if s.__class__ is np.ndarray else s
+            for s in segments]
+
+
+def _unpacked(segments: list) -> list:
+    """Segments as _packed made them (a BlockRef is a tuple subclass), inline rows
+    read-only arrays again: a manifest's rows are never written (own_copy freezes them)."""
+    return [np.frombuffer(s[0], s[1]).reshape(s[2]) if s.__class__ is tuple else s
+            for s in segments]
+
+
+def _span(head: list, keys: list[str], tail: list, block_size: int) -> BlockSpan:
+    return BlockSpan(_unpacked(head), keys, _unpacked(tail), block_size)
+
+
+def _manifest(request_id: str, fingerprint: str, completion: tuple[int, int],
+              segments: BlockSpan | list, expires_at: float) -> Manifest:
+    if not isinstance(segments, BlockSpan):
+        segments = _unpacked(segments)
+    return Manifest(request_id, fingerprint, Completion(*completion), segments, expires_at)
 
 
 @dataclass
@@ -172,29 +203,40 @@ class Manifest:
         request id, another layout, a completion that is not two counts, or segments that
         are not block slices and rows of this layout covering exactly the completion's."""
         check_request_id(self.request_id)
-        where = f"manifest of request {self.request_id!r}"
+        where = self._where  # the messages are built only for a manifest refused
         if self.fingerprint != layout.fingerprint:
-            raise LayoutMismatchError(f"{where} is for layout {self.fingerprint!r:.80}, the "
-                                      f"store's is {layout.fingerprint}")
+            raise LayoutMismatchError(f"{where()} is for layout {self.fingerprint!r:.80}, "
+                                      f"the store's is {layout.fingerprint}")
         completion = self.completion
         if not is_completion(completion):
-            raise ContractError(f"{where}: completion {completion!r:.80} is not two counts "
+            raise ContractError(f"{where()}: completion {completion!r:.80} is not two counts "
                                 "(prompt start, number of tokens)")
         segments = self.segments
         if isinstance(segments, BlockSpan):
             if segments.block_size != layout.block_size:
-                raise LayoutMismatchError(f"{where}: blocks of {segments.block_size} rows, "
+                raise LayoutMismatchError(f"{where()}: blocks of {segments.block_size} rows, "
                                           f"the layout's have {layout.block_size}")
-            if set(map(type, segments.keys)) - {str}:
-                raise ContractError(f"{where}: block keys must be str")
+            try:
+                "".join(segments.keys)  # one C pass that takes nothing but str
+            except TypeError:
+                raise ContractError(f"{where()}: block keys must be str") from None
             rows = (_checked_rows([*segments.head, *segments.tail], layout, where)
                     + len(segments.keys) * layout.block_size)
         else:
             rows = _checked_rows(segments, layout, where)
         expected = Completion(*completion).num_rows
         if rows != expected:
-            raise ContractError(f"{where}: segments hold {rows} rows, the request has "
+            raise ContractError(f"{where()}: segments hold {rows} rows, the request has "
                                 f"{expected}")
+
+    def _where(self) -> str:
+        return f"manifest of request {self.request_id!r}"
+
+    def __reduce__(self):
+        segments = self.segments  # a BlockSpan packs its own
+        return _manifest, (self.request_id, self.fingerprint, tuple(self.completion),
+                           segments if isinstance(segments, BlockSpan) else _packed(segments),
+                           self.expires_at)
 
     def own_copy(self) -> Manifest:
         """This record with inline rows of its own, read-only: what a store keeps and what
