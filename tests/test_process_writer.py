@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from r3cache import RoutingLayout, WorkerConnector, open_store
 from r3cache.errors import StoreUnavailableError, WriterError
-from r3cache.manifest import BlockRef, Completion, Manifest
+from r3cache.manifest import BlockRef, BlockSpan, Completion, Manifest
 from r3cache.sim import Engine, SimConfig, SimRequest, oracle_rows
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.tiered import TieredBlockStore
@@ -59,6 +60,30 @@ def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namesp
     np.testing.assert_array_equal(writer.get_concatenated(["k"]), block)
     writer.release_manifests(["req"])
     writer.close()
+
+
+def test_manifests_pickled_for_the_helper_come_back_the_same():
+    """A put's manifests cross to the helper pickled, inline rows as bytes: every segment
+    comes back in order, a BlockRef as a BlockRef, rows equal (a strided view too) and
+    read-only, in a list or in a BlockSpan."""
+    rows = oracle_rows(np.arange(100, 116), LAYOUT)
+    strided = rows[::2]  # not contiguous
+    listed = Manifest("a", LAYOUT.fingerprint, Completion(3, 3 + 16 + 8 + 1),
+                      [BlockRef("k", 0, 16), strided], expires_at=12.5)
+    spanned = Manifest("b", LAYOUT.fingerprint, Completion(5, 5 + 11 + 32 + 5 + 1),
+                       BlockSpan([BlockRef("h", 5, 16)], ["k1", "k2"], [rows[:5]], 16))
+    for manifest in (listed, spanned):
+        back = pickle.loads(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL))
+        assert type(back.segments) is type(manifest.segments)
+        assert (back.request_id, back.fingerprint, back.completion, back.expires_at) == (
+            manifest.request_id, manifest.fingerprint, manifest.completion, manifest.expires_at)
+        assert back.completion.__class__ is Completion
+        assert [type(s) for s in back.segments] == [type(s) for s in manifest.segments]
+        for got, sent in zip(back.segments, manifest.segments, strict=True):
+            assert np.array_equal(got, sent) if isinstance(sent, np.ndarray) else got == sent
+        back.check(LAYOUT)
+        inline = [s for s in back.segments if isinstance(s, np.ndarray)]
+        assert len(inline) == 1 and not inline[0].flags.writeable
 
 
 @pytest.mark.parametrize(("url", "policy", "writer"), [
