@@ -259,13 +259,17 @@ class Manifest:
             "num_tokens": str(self.completion.num_tokens),
             "expires_at": f"{self.expires_at:.3f}",
         }
-        names = []
-        for i, segment in enumerate(self.segments):
-            if isinstance(segment, BlockRef):
-                names.append(f"{segment.key}:{segment.start}:{segment.stop}")
-            else:
-                names.append(f"#{i}")
-                fields[f"inline:{i}"] = codec.encode_rows(segment, layout)
+        segments = self.segments
+        if isinstance(segments, BlockSpan):
+            # The whole blocks named by string concatenation, no BlockRef made for each
+            # (a writer records every finished request's hundreds of blocks).
+            whole = f":0:{segments.block_size}"
+            after = len(segments.head) + len(segments.keys)
+            names = [*_segment_names(segments.head, 0, fields, layout),
+                     *[key + whole for key in segments.keys],
+                     *_segment_names(segments.tail, after, fields, layout)]
+        else:
+            names = _segment_names(segments, 0, fields, layout)
         fields["segments"] = " ".join(names)
         fields["checksum"] = _checksum(self.request_id, fields)
         return fields
@@ -313,6 +317,20 @@ class Manifest:
             raise CorruptBlockError(
                 f"manifest of request {self.request_id!r}",
                 f"segments hold {rows} rows, the request has {self.completion.num_rows}")
+
+
+def _segment_names(parts: Sequence[Segment], first: int, fields: dict,
+                   layout: RoutingLayout) -> list[str]:
+    """The ``segments`` field's names of ``parts``, the first at place ``first``; each
+    inline part's encoded rows go into ``fields`` under its place."""
+    names = []
+    for i, segment in enumerate(parts, first):
+        if isinstance(segment, BlockRef):
+            names.append(f"{segment.key}:{segment.start}:{segment.stop}")
+        else:
+            names.append(f"#{i}")
+            fields[f"inline:{i}"] = codec.encode_rows(segment, layout)
+    return names
 
 
 def _parse_segments(text: dict, layout: RoutingLayout, where: str) -> list[Segment]:

@@ -18,6 +18,7 @@ from r3cache.errors import (
     StoreAccessError,
     StoreUnavailableError,
 )
+from r3cache.manifest import BlockRef, Completion, Manifest
 from r3cache.store.redis.janitor import reclaim_dead_owners
 from r3cache.store.redis.keys import NAMESPACES_KEY
 from r3cache.testing import RedisServer
@@ -372,6 +373,42 @@ def test_a_handle_without_a_lease_cannot_hold_blocks(redis_url, namespace):
         s.put({}, retain_keys=["k"])
     s.close()
     assert redis.Redis.from_url(redis_url).hlen(f"r3:{namespace}:owners") == 0
+
+
+def test_the_samples_of_one_prompt_hold_its_blocks_once_per_manifest(store):
+    """GRPO's samples share their prompt's blocks: each manifest holds each block it names
+    once (however often it names it), beside the engine's own hold, in one hold call per
+    node for all of them; released, the manifests leave the blocks as the engine holds
+    them, and idle (with a TTL) once it lets go too."""
+    prompt = {f"p{i}": blk(i) for i in range(40)}
+    own = {f"o{j}": blk(100 + j) for j in range(3)}
+    store.put({**prompt, **own}, retain_keys=[*prompt, *own])
+    names = [[*prompt, f"o{j}"] for j in range(3)]
+    names[2].append("p0")  # a block named twice in one manifest: one hold
+    manifests = [Manifest(f"s{j}", LAYOUT.fingerprint, Completion(0, 4 * len(keys) + 1),
+                          [BlockRef(k, 0, 4) for k in keys]) for j, keys in enumerate(names)]
+    nodes = len(store.primaries())
+    scripts = command_calls(store, "evalsha")
+    store.put({}, manifests=manifests)
+    # Holds in one call per node, then each manifest's hash.
+    assert command_calls(store, "evalsha") - scripts <= nodes + len(manifests)
+
+    def holders(key):
+        refs = store.keys.refs(key)
+        return {k.decode(): int(v) for k, v in store.client_for(refs).hgetall(refs).items()}
+
+    engine = store.owner
+    for key in prompt:
+        assert holders(key) == {engine: 1, "m:s0": 1, "m:s1": 1, "m:s2": 1}
+    for j in range(3):
+        assert holders(f"o{j}") == {engine: 1, f"m:s{j}": 1}
+    assert store.release_manifests(["s0", "s1", "s2"]) == 3
+    assert all(holders(key) == {engine: 1} for key in [*prompt, *own])
+    store.put({}, release_keys=[*prompt, *own])
+    for key in [*prompt, *own]:
+        assert not holders(key)
+        block = store.keys.block(key)
+        assert store.client_for(block).pttl(block) > 0
 
 
 def test_close_drops_every_hold_and_leaves_no_owner_behind(url, namespace):

@@ -48,6 +48,31 @@ end
 return 1
 """
 
+# ARGV: groups of n, n owners, m, then m pairs (block key, refs key). Each owner of a
+# group takes one hold on each of the group's blocks, which then have no TTL: the
+# manifests of finished requests holding their blocks, where the samples of one prompt
+# share its blocks (one call names each block once, not once per manifest).
+MANIFEST_HOLDS = _HOLDS_SHEBANG + """
+local i = 1
+while i <= #ARGV do
+  local owners = i + 1
+  local n = tonumber(ARGV[i])
+  local first = owners + n + 1
+  local last = first + 2 * tonumber(ARGV[owners + n]) - 1
+  for k = first, last, 2 do
+    redis.call('EXISTS', ARGV[k], ARGV[k + 1])
+  end
+  for k = first, last, 2 do
+    for o = owners, owners + n - 1 do
+      redis.call('HINCRBY', ARGV[k + 1], ARGV[o], 1)
+    end
+    redis.call('PERSIST', ARGV[k])
+  end
+  i = last + 1
+end
+return 1
+"""
+
 # ARGV: idle_ms, number of owners n, n owners, then pairs (refs key, block key).
 # Drops every hold of those owners; returns how many holds were dropped.
 RECLAIM = _HOLDS_SHEBANG + _SETTLE + """
@@ -181,12 +206,13 @@ class Script:
 
 
 HOLDS_SCRIPT = Script(HOLDS)
+MANIFEST_HOLDS_SCRIPT = Script(MANIFEST_HOLDS)
 REPLACE_HASH_SCRIPT = Script(REPLACE_HASH)
 RECLAIM_SCRIPT = Script(RECLAIM)
 OPEN_NAMESPACE_SCRIPT = Script(OPEN_NAMESPACE)
 REGISTER_SCRIPT = Script(REGISTER)
 SWEEP_SCRIPT = Script(SWEEP)
 FORGET_SCRIPT = Script(FORGET)
-SCRIPTS = {s.sha: s for s in (HOLDS_SCRIPT, RECLAIM_SCRIPT, OPEN_NAMESPACE_SCRIPT,
-                                REPLACE_HASH_SCRIPT, REGISTER_SCRIPT, SWEEP_SCRIPT,
-                                FORGET_SCRIPT)}
+SCRIPTS = {s.sha: s for s in (HOLDS_SCRIPT, MANIFEST_HOLDS_SCRIPT, RECLAIM_SCRIPT,
+                                OPEN_NAMESPACE_SCRIPT, REPLACE_HASH_SCRIPT, REGISTER_SCRIPT,
+                                SWEEP_SCRIPT, FORGET_SCRIPT)}

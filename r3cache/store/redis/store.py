@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from r3cache.store.redis.keys import NAMESPACES_KEY, KeySchema, check_name, mani
 from r3cache.store.redis.nodes import CHUNK, ClusterNodes, SingleNode, execute
 from r3cache.store.redis.scripts import (
     HOLDS_SCRIPT,
+    MANIFEST_HOLDS_SCRIPT,
     OPEN_NAMESPACE_SCRIPT,
     REGISTER_SCRIPT,
     REPLACE_HASH_SCRIPT,
@@ -285,17 +287,27 @@ class RedisBlockStore:
                         "manifests were released: %s", self.namespace, len(replaced),
                         ", ".join(map(repr, replaced[:8])))
             release_manifests(self, replaced)
-        pairs = [(manifest_owner(m.request_id), k) for m in records
-                 for k in dict.fromkeys(m.block_keys)]
-        refs = [self.keys.block(k) for _, k in pairs]
+        held = [(manifest_owner(m.request_id), dict.fromkeys(m.block_keys)) for m in records]
+        # Each key's names once: the samples of one prompt hold the same blocks.
+        named = {k: (self.keys.block(k), self.keys.refs(k))
+                 for k in dict.fromkeys(chain.from_iterable(keys for _, keys in held))}
+        pairs = [(owner, k) for owner, keys in held for k in keys]
+        refs = [named[k][0] for _, k in pairs]
 
         def holds(indices):
-            by_owner: dict[str, list] = {}
+            # Per block the owners taking a hold, then the blocks by their owners: one
+            # group for a prompt's blocks whichever of its samples finished.
+            owners_of: dict[str, list[str]] = {}
             for i in indices:
                 owner, key = pairs[i]
-                by_owner.setdefault(owner, []).extend((refs[i], self.keys.refs(key), 1, 0, 0))
-            return [HOLDS_SCRIPT.command(owner, self._idle_ms, *args)
-                    for owner, args in by_owner.items()]
+                owners_of.setdefault(key, []).append(owner)
+            groups: dict[tuple[str, ...], list] = {}
+            for key, owners in owners_of.items():
+                groups.setdefault(tuple(owners), []).extend(named[key])
+            args = []
+            for owners, names in groups.items():
+                args += (len(owners), *owners, len(names) // 2, *names)
+            return [MANIFEST_HOLDS_SCRIPT.command(*args)]
 
         for _ in self._execute(refs, holds):
             pass
