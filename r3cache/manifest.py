@@ -156,19 +156,23 @@ def _same_segment(a: Segment, b: Segment) -> bool:
     return np.array_equal(a, b)
 
 
+class _Inline:
+    """Marks inline rows in pickled segments (no segment a caller makes holds it)."""
+
+
 def _packed(segments: Sequence[Segment]) -> list:
-    """Segments to pickle, inline rows as a plain (bytes, dtype, shape) tuple: several
-    times faster to pickle and load than an ndarray (a put that finishes requests is
-    pickled on the engine's thread for the writer process)."""
-    return [(s.tobytes(), s.dtype.str, s.shape) if s.__class__ is np.ndarray else s
+    """Segments to pickle, inline rows as a plain (_Inline, bytes, dtype, shape) tuple:
+    several times faster to pickle and load than an ndarray (a put that finishes requests
+    is pickled on the engine's thread for the writer process)."""
+    return [(_Inline, s.tobytes(), s.dtype.str, s.shape) if s.__class__ is np.ndarray else s
             for s in segments]
 
 
 def _unpacked(segments: list) -> list:
-    """Segments as _packed made them (a BlockRef is a tuple subclass), inline rows
-    read-only arrays again: a manifest's rows are never written (own_copy freezes them)."""
-    return [np.frombuffer(s[0], s[1]).reshape(s[2]) if s.__class__ is tuple else s
-            for s in segments]
+    """Segments as _packed made them, inline rows read-only arrays again: a manifest's
+    rows are never written (own_copy freezes them too)."""
+    return [np.frombuffer(s[1], s[2]).reshape(s[3])
+            if s.__class__ is tuple and s and s[0] is _Inline else s for s in segments]
 
 
 def _span(head: list, keys: list[str], tail: list, block_size: int) -> BlockSpan:

@@ -53,23 +53,29 @@ return 1
 # manifests of finished requests holding their blocks, where the samples of one prompt
 # share its blocks (one call names each block once, not once per manifest).
 MANIFEST_HOLDS = _HOLDS_SHEBANG + """
-local i = 1
-while i <= #ARGV do
-  local owners = i + 1
-  local n = tonumber(ARGV[i])
-  local first = owners + n + 1
-  local last = first + 2 * tonumber(ARGV[owners + n]) - 1
+local function each_group(apply)
+  local i = 1
+  while i <= #ARGV do
+    local n = tonumber(ARGV[i])
+    local first = i + n + 2
+    local last = first + 2 * tonumber(ARGV[i + n + 1]) - 1
+    apply(i + 1, i + n, first, last)
+    i = last + 1
+  end
+end
+each_group(function(_, _, first, last)
   for k = first, last, 2 do
     redis.call('EXISTS', ARGV[k], ARGV[k + 1])
   end
+end)
+each_group(function(owner1, ownern, first, last)
   for k = first, last, 2 do
-    for o = owners, owners + n - 1 do
+    for o = owner1, ownern do
       redis.call('HINCRBY', ARGV[k + 1], ARGV[o], 1)
     end
     redis.call('PERSIST', ARGV[k])
   end
-  i = last + 1
-end
+end)
 return 1
 """
 
