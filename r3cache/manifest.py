@@ -123,7 +123,6 @@ def _checked_rows(parts: Sequence[Segment], layout: RoutingLayout,
     """How many rows ``parts`` name, each a slice of one block or rows of this layout
     (``where`` names the manifest in an error)."""
     rows = 0
-    shape, dtype = layout.row_shape, layout.dtype
     for part in parts:
         if isinstance(part, BlockRef):
             key, start, stop = part
@@ -131,9 +130,7 @@ def _checked_rows(parts: Sequence[Segment], layout: RoutingLayout,
                 raise ContractError(f"{where()}: {part!r:.120} is not a slice of one block")
             rows += stop - start
             continue
-        if not (isinstance(part, np.ndarray) and part.shape[1:] == shape and part.ndim == 3
-                and part.dtype == dtype):
-            layout.check_rows(part, f"{where()}: inline rows")  # raises, naming the fault
+        layout.check_rows(part, f"{where()}: inline rows")
         rows += len(part)
     return rows
 
@@ -176,11 +173,13 @@ def _unpacked(segments: list) -> list:
 
 
 def _span(head: list, keys: list[str], tail: list, block_size: int) -> BlockSpan:
+    """A BlockSpan unpickled."""
     return BlockSpan(_unpacked(head), keys, _unpacked(tail), block_size)
 
 
 def _manifest(request_id: str, fingerprint: str, completion: tuple[int, int],
               segments: BlockSpan | list, expires_at: float) -> Manifest:
+    """A Manifest unpickled."""
     if not isinstance(segments, BlockSpan):
         segments = _unpacked(segments)
     return Manifest(request_id, fingerprint, Completion(*completion), segments, expires_at)

@@ -41,22 +41,24 @@ class PackedHashes(NamedTuple):
 
 def block_keys(hashes: Sequence[BlockHash] | PackedHashes) -> list[str]:
     """The store keys of one request's block hashes, in order."""
-    if isinstance(hashes, (str, bytes, bytearray)) or not isinstance(hashes, Sequence):
-        # A str or bytes would be keyed character by character: blocks under keys that
-        # other blocks share. PackedHashes is a tuple, so it passes the Sequence test.
-        raise InvalidBatchError(f"a request's block hashes are a sequence of hashes or "
-                                f"PackedHashes, not {type(hashes).__name__}")
-    if isinstance(hashes, PackedHashes):
-        size = hashes.item_size
-        if size < 1 or len(hashes.data) % size:
-            raise InvalidBatchError(f"packed block hashes: {len(hashes.data)} bytes are not "
-                                    f"a whole number of {size}-byte hashes")
-        data = hashes.data if hashes.data.__class__ is bytes else bytes(hashes.data)
-        if len(data) == size:
-            return [data.hex()]  # a decode step's usual case: one new block
-        # One C call splits them: hex with a separator between hashes.
-        return data.hex(" ", size).split(" ") if data else []
-    return [block_key(h) for h in hashes]
+    if hashes.__class__ is not PackedHashes:  # vLLM's packed hashes: no ABC check a step
+        if isinstance(hashes, (str, bytes, bytearray)) or not isinstance(hashes, Sequence):
+            # A str or bytes would be keyed character by character: blocks under keys
+            # that other blocks share. PackedHashes is a tuple: it passes this test.
+            raise InvalidBatchError(f"a request's block hashes are a sequence of hashes or "
+                                    f"PackedHashes, not {type(hashes).__name__}")
+        if not isinstance(hashes, PackedHashes):
+            return [block_key(h) for h in hashes]
+    data, size = hashes
+    if size < 1 or len(data) % size:
+        raise InvalidBatchError(f"packed block hashes: {len(data)} bytes are not a whole "
+                                f"number of {size}-byte hashes")
+    if data.__class__ is not bytes:
+        data = bytes(data)
+    if len(data) == size:
+        return [data.hex()]  # a decode step's usual case: one new block
+    # One C call splits them: hex with a separator between hashes.
+    return data.hex(" ", size).split(" ") if data else []
 
 
 def keys_by_request(block_hashes: Mapping[str, Sequence[BlockHash] | PackedHashes]
@@ -70,11 +72,7 @@ def keys_by_request(block_hashes: Mapping[str, Sequence[BlockHash] | PackedHashe
         if hashes.__class__ is PackedHashes and hashes.data.__class__ is bytes:
             keys = seen.get(hashes)
             if keys is None:
-                data, size = hashes
-                # A decode step's usual case, one new hash, without block_keys' checks
-                # (those it makes hold: whole bytes of the item size).
-                keys = seen[hashes] = ([data.hex()] if size.__class__ is int
-                                       and len(data) == size > 0 else block_keys(hashes))
+                keys = seen[hashes] = block_keys(hashes)
         else:
             keys = block_keys(hashes)
         out[req_id] = keys
