@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -287,29 +286,27 @@ class RedisBlockStore:
                         "manifests were released: %s", self.namespace, len(replaced),
                         ", ".join(map(repr, replaced[:8])))
             release_manifests(self, replaced)
-        held = [(manifest_owner(m.request_id), dict.fromkeys(m.block_keys)) for m in records]
-        # Each key's names once: the samples of one prompt hold the same blocks.
-        named = {k: (self.keys.block(k), self.keys.refs(k))
-                 for k in dict.fromkeys(chain.from_iterable(keys for _, keys in held))}
-        pairs = [(owner, k) for owner, keys in held for k in keys]
-        refs = [named[k][0] for _, k in pairs]
+        # Each block once, with the owners taking a hold on it: the samples of one prompt
+        # hold the same blocks, and a group of the round then covers all their holds.
+        owners_of: dict[str, list[str]] = {}
+        for record in records:
+            owner = manifest_owner(record.request_id)
+            for key in dict.fromkeys(record.block_keys):
+                owners_of.setdefault(key, []).append(owner)
+        held = list(owners_of)
+        block_names = [(self.keys.block(k), self.keys.refs(k)) for k in held]
 
         def holds(indices):
-            # Per block the owners taking a hold, then the blocks by their owners: one
-            # group for a prompt's blocks whichever of its samples finished.
-            owners_of: dict[str, list[str]] = {}
-            for i in indices:
-                owner, key = pairs[i]
-                owners_of.setdefault(key, []).append(owner)
+            # The blocks by the owners holding them: one group for a prompt's blocks.
             groups: dict[tuple[str, ...], list] = {}
-            for key, owners in owners_of.items():
-                groups.setdefault(tuple(owners), []).extend(named[key])
+            for i in indices:
+                groups.setdefault(tuple(owners_of[held[i]]), []).extend(block_names[i])
             args = []
-            for owners, names in groups.items():
-                args += (len(owners), *owners, len(names) // 2, *names)
+            for owners, pairs in groups.items():
+                args += (len(owners), *owners, len(pairs) // 2, *pairs)
             return [MANIFEST_HOLDS_SCRIPT.command(*args)]
 
-        for _ in self._execute(refs, holds):
+        for _ in self._execute([block for block, _ in block_names], holds):
             pass
         for record in records:
             record.expires_at = expires
