@@ -104,20 +104,26 @@ def test_the_default_writer_is_the_helper_process_for_redis(request, namespace, 
 def test_the_helper_waits_for_redis_that_comes_up_within_max_wait(namespace):
     """A helper started while its Redis restarts (a failover) connects once it answers."""
     server = RedisServer().start()
-    open_store(server.url, layout=LAYOUT, namespace=namespace).close()  # the namespace
-    server.kill()
     # Longer than redis-py's own connection retries (a few tenths of a second) cover.
-    threading.Timer(2.5, server.start).start()
-    began = time.monotonic()
-    writer = ProcessWriter(server.url, LAYOUT, namespace, {"idle_ttl": 60}, max_wait=6.0)
-    assert 2.4 < time.monotonic() - began < 6.0
-    block = oracle_rows(np.arange(16), LAYOUT)
-    writer.put({"k": block})
-    np.testing.assert_array_equal(writer.get_concatenated(["k"]), block)
-    writer.close()
-    server.kill()
-    with pytest.raises(WriterError, match="could not open"):
-        ProcessWriter(server.url, LAYOUT, namespace, {}, max_wait=0.5)  # it never comes
+    restart = threading.Timer(2.5, server.start)
+    try:
+        open_store(server.url, layout=LAYOUT, namespace=namespace).close()  # the namespace
+        server.kill()
+        restart.start()
+        began = time.monotonic()
+        writer = ProcessWriter(server.url, LAYOUT, namespace, {"idle_ttl": 60}, max_wait=6.0)
+        assert 2.4 < time.monotonic() - began < 6.0
+        block = oracle_rows(np.arange(16), LAYOUT)
+        writer.put({"k": block})
+        np.testing.assert_array_equal(writer.get_concatenated(["k"]), block)
+        writer.close()
+        server.kill()
+        with pytest.raises(WriterError, match="could not open"):
+            ProcessWriter(server.url, LAYOUT, namespace, {}, max_wait=0.5)  # it never comes
+    finally:
+        if restart.is_alive():
+            restart.join()  # a server it starts late is stopped too
+        server.stop()  # and its directory goes
 
 
 def test_a_paused_redis_makes_put_fail_after_max_wait(namespace):
