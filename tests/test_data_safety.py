@@ -26,6 +26,7 @@ from r3cache import (
     WorkerConnector,
     open_store,
 )
+from r3cache.connector import PackedHashes
 from r3cache.errors import (
     ContractError,
     GenerationError,
@@ -417,16 +418,27 @@ def test_a_block_hash_that_cannot_be_a_key_is_refused_before_anything_changes(
         redis_url, namespace, reliability):
     store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
     worker = WorkerConnector(layout=LAYOUT, store=store, writer="thread")
-    bad_hashes = ("has space", "brace{", "tilde~", "", 1.5, None, object())
+    # A digest of over 128 bytes would be a key of over 256 hex characters, which the
+    # Redis writer refuses after the step (and then stops for good).
+    bad_hashes = [[h] for h in ("has space", "brace{", "tilde~", "", b"", bytes(129), 1.5,
+                                None, object())] + [PackedHashes(bytes(258), 129)]
     try:
         for bad in bad_hashes:
             with pytest.raises(InvalidBatchError):
-                worker.begin_step(StepMetadata(0, {"r": 0}, {"r": [bad]}, ()))
+                worker.begin_step(StepMetadata(0, {"r": 0}, {"r": bad}, ()))
             assert worker.num_requests == 0
         worker.store.flush()
         assert holders(store) == {}
+        # The longest digest that still makes a key is taken, and its block written.
+        worker.begin_step(StepMetadata(0, {"r": 0}, {"r": [bytes(128)]}, ()))
+        rows = oracle_rows(np.arange(4), LAYOUT)
+        pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 4])),
+                                        routed_experts=rows)
+        pending.enqueue_cpu_copy([1], [0])
+        worker.process_output(pending)
+        np.testing.assert_array_equal(worker.store.get_concatenated(["00" * 128]), rows)
         reliability("block hashes a manifest could not list (spaces, braces, '~', empty, "
-                    "float, None, an object)", f"{len(bad_hashes)} step metadata",
+                    "over 128 bytes, float, None, an object)", f"{len(bad_hashes)} step metadata",
                     "InvalidBatchError before any registration or hold",
                     f"{len(bad_hashes)}/{len(bad_hashes)} refused; 0 requests, 0 holds")
     finally:

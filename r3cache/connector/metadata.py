@@ -10,16 +10,23 @@ import numpy as np
 
 from r3cache.errors import InvalidBatchError
 from r3cache.manifest import Completion
-from r3cache.store.base import is_key
+from r3cache.store.base import MAX_KEY_LENGTH, is_key
 
 BlockHash = bytes | str | int
+# Hashes are keyed as hex: a digest of more bytes than this would make a key no store takes
+# (the Redis writer would refuse it after the step, and stop for good).
+MAX_HASH_BYTES = MAX_KEY_LENGTH // 2
+
+
+def _check_hash_size(size: int) -> None:
+    if not 0 < size <= MAX_HASH_BYTES:
+        raise InvalidBatchError(f"a block hash is 1-{MAX_HASH_BYTES} bytes, not {size}")
 
 
 def block_key(block_hash: BlockHash) -> str:
     """The store key of a KV block hash: lowercase hex of its digest."""
     if isinstance(block_hash, (bytes, bytearray)):
-        if not block_hash:
-            raise InvalidBatchError("a block hash must not be empty")
+        _check_hash_size(len(block_hash))
         return block_hash.hex()
     if isinstance(block_hash, int) and not isinstance(block_hash, bool):
         return format(block_hash & ((1 << 128) - 1), "032x")
@@ -53,6 +60,7 @@ def block_keys(hashes: Sequence[BlockHash] | PackedHashes) -> list[str]:
     if size < 1 or len(data) % size:
         raise InvalidBatchError(f"packed block hashes: {len(data)} bytes are not a whole "
                                 f"number of {size}-byte hashes")
+    _check_hash_size(size)
     if data.__class__ is not bytes:
         data = bytes(data)
     if len(data) == size:
