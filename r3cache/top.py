@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import curses
+import sys
+import time
 
 from r3cache.inspection import Snapshot, snapshot
 
@@ -47,7 +49,19 @@ def render(now: Snapshot, before: Snapshot | None, url: str) -> list[str]:
 
 
 def run(url: str, namespace: str | None, interval: float) -> int:
-    """Redraw every ``interval`` seconds; `q` or Ctrl-C ends it with the terminal restored."""
+    """Redraw every ``interval`` seconds; `q` or Ctrl-C ends it with the terminal restored.
+    Where stdout is no terminal (a pipe, a file, `kubectl exec` without `-t`), each
+    snapshot is printed as plain lines instead, a blank line between, until Ctrl-C."""
+    if not sys.stdout.isatty():
+        with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
+            before = None
+            while True:
+                now = snapshot(url, namespace)
+                print("\n".join(render(now, before, url)), end="\n\n", flush=True)
+                before = now
+                time.sleep(interval)
+        return 0
+
     def loop(screen) -> None:
         curses.curs_set(0)
         screen.timeout(100)  # poll the keyboard every 0.1 s between redraws

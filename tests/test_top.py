@@ -1,9 +1,11 @@
-"""`r3cache top` in a real terminal (tmux): what it draws, and that q and Ctrl-C end it."""
+"""`r3cache top` in a real terminal (tmux): what it draws, and that q and Ctrl-C end it;
+and where stdout is no terminal, plain snapshots."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ from r3cache import RoutingLayout, open_store
 from r3cache.sim import SimConfig, SimRequest, simulate
 from r3cache.testing import RedisServer
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,6 +75,7 @@ def _top(url: str, *args: str) -> str:
     return f"{sys.executable} -m r3cache.cli top {url} --interval 0.5 {' '.join(args)}"
 
 
+@needs_tmux
 def test_top_shows_the_namespace_and_rates_and_quits_on_q(terminals, tmp_path):
     layout = RoutingLayout(4, 2, 16, 4)
     with RedisServer("--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru") as server:
@@ -93,6 +96,7 @@ def test_top_shows_the_namespace_and_rates_and_quits_on_q(terminals, tmp_path):
         assert term.exit_status() == 0
 
 
+@needs_tmux
 def test_top_warns_of_an_eviction_policy_that_can_drop_held_blocks_and_ends_on_ctrl_c(
         terminals, tmp_path):
     with RedisServer("--maxmemory-policy", "allkeys-lru") as server:
@@ -102,3 +106,22 @@ def test_top_warns_of_an_eviction_policy_that_can_drop_held_blocks_and_ends_on_c
         term.keys("C-c")
         assert term.exit_status() == 0
         assert "Traceback" not in term.screen()
+
+
+def test_top_prints_plain_snapshots_where_stdout_is_no_terminal_and_ends_on_ctrl_c():
+    """A pipe, a file or `kubectl exec` without -t: no screen to draw on, so each snapshot
+    is printed as lines, and Ctrl-C ends it as in a terminal."""
+    with RedisServer() as server:
+        open_store(server.url, layout=RoutingLayout(4, 2, 16, 4), namespace="piped").close()
+        top = subprocess.Popen(_top(server.url, "--namespace", "piped").split(),
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        time.sleep(3)  # the interpreter's start, then snapshots every 0.5 s
+        top.send_signal(signal.SIGINT)
+        out, err = top.communicate(timeout=30)
+    assert top.returncode == 0, err
+    frames = out.strip().split("\n\nr3cache top  ")
+    assert len(frames) >= 2, out
+    assert "piped  layout r3l1:L4:K2:E16:B4:|u1" in frames[0] and "rates" in frames[1]
+    assert "\x1b" not in out and "Traceback" not in err
