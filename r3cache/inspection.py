@@ -55,9 +55,9 @@ def look(url: str, namespace: str) -> NamespaceView:
 
 
 def server(url: str) -> ServerView:
-    nodes, _, _ = connect(url, "-", {})
+    nodes, _, _ = connect(url, None, {})
     try:
-        with redis_errors("-", "reading INFO"):
+        with redis_errors(None, "reading INFO"):
             infos = [client.info() for client in nodes.primaries()]
     finally:
         nodes.close()

@@ -104,7 +104,7 @@ def _display(parts) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
-def connect(url: str, namespace: str, options: dict[str, Any]):
+def connect(url: str, namespace: str | None, options: dict[str, Any]):
     """Clients for ``url``: (nodes, r3cache's options, the URL without credentials)."""
     if not isinstance(url, str):
         raise ContractError(f"a store URL must be a str, not {type(url).__name__}")
@@ -173,9 +173,9 @@ def _stored_layout(nodes, keys: KeySchema, display: str) -> RoutingLayout:
 
 def list_namespaces(url: str) -> list[str]:
     """Every namespace ever opened on the server(s) at ``url``."""
-    nodes, _, _ = connect(url, "-", {})
+    nodes, _, _ = connect(url, None, {})
     try:
-        with redis_errors("-", "listing namespaces"):
+        with redis_errors(None, "listing namespaces"):
             members = nodes.client_for(NAMESPACES_KEY).smembers(NAMESPACES_KEY)
             return sorted(n.decode() for n in members)
     finally:
