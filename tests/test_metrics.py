@@ -296,3 +296,30 @@ def test_a_connector_collected_during_a_scrape_is_retired_without_a_deadlock():
     assert not thread.is_alive(), "the scrape deadlocked on the retirement"
     assert scraped[0][("collected-in-a-scrape", "memory")].counts["steps"] == 7
     assert not sources._engines  # retired, not live
+
+
+def test_the_plugins_serve_metrics_on_the_port_plus_their_rank_and_stop_on_a_taken_one(
+        monkeypatch):
+    """An engine's data-parallel ranks on one host each serve on a port of their own; a
+    port that cannot be served stops the start, naming the variable."""
+    from r3cache.errors import ContractError, IntegrationError
+    from r3cache.integrations import engine
+
+    base = free_port()
+    monkeypatch.setenv("R3CACHE_METRICS_PORT", str(base - 1))
+    server = engine.serve_metrics(rank=1)
+    try:
+        assert server.server_port == base
+        with urllib.request.urlopen(f"http://127.0.0.1:{base}/metrics", timeout=10) as r:
+            assert r.status == 200
+        with pytest.raises(IntegrationError, match=f"R3CACHE_METRICS_PORT: port {base} "):
+            engine.serve_metrics(rank=1)  # the rank's port is taken
+    finally:
+        server.shutdown()
+        server.server_close()
+    for value, rank in (("http", 0), ("65535", 1), ("0", 0)):
+        monkeypatch.setenv("R3CACHE_METRICS_PORT", value)
+        with pytest.raises(ContractError, match="R3CACHE_METRICS_PORT must be a TCP port"):
+            engine.serve_metrics(rank)
+    monkeypatch.delenv("R3CACHE_METRICS_PORT")
+    assert engine.serve_metrics(rank=3) is None

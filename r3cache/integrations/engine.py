@@ -12,7 +12,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import xxhash
 
-from r3cache.errors import ContractError
+from r3cache.errors import ContractError, IntegrationError
 
 
 def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str, dict[str, Any]]:
@@ -51,14 +51,33 @@ def inline() -> bool:
     return os.environ.get("R3CACHE_INLINE", "1").lower() not in ("0", "false", "no")
 
 
-def metrics_port() -> int | None:
-    """R3CACHE_METRICS_PORT, checked: the port the plugin serves its metrics on."""
+def metrics_port(rank: int = 0) -> int | None:
+    """R3CACHE_METRICS_PORT, checked, plus ``rank``: the port the plugin's process serves
+    its metrics on. An engine's data-parallel ranks on one host are processes of their own,
+    each on the next port, as SGLang's and vLLM's ranks number them."""
     port = os.environ.get("R3CACHE_METRICS_PORT")
     if not port:
         return None
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ContractError(f"R3CACHE_METRICS_PORT must be a TCP port, not {port!r}")
-    return int(port)
+    if not port.isdigit() or not 0 < int(port) + rank < 65536:
+        raise ContractError(f"R3CACHE_METRICS_PORT must be a TCP port, not {port!r}"
+                            + (f" (+ rank {rank})" if rank else ""))
+    return int(port) + rank
+
+
+def serve_metrics(rank: int = 0) -> Any:
+    """Serve this process's metrics on metrics_port(rank), if set; returns the HTTP server
+    (None if unset). A port that cannot be served stops the engine's start, naming the
+    variable."""
+    port = metrics_port(rank)
+    if port is None:
+        return None
+    from r3cache import metrics
+
+    try:
+        return metrics.serve(port)
+    except OSError as exc:
+        raise IntegrationError(f"R3CACHE_METRICS_PORT: port {port} cannot be served "
+                               f"({exc.strerror or exc})") from None
 
 
 def default_namespace(served_name: str | None, model: str, revision: str | None) -> str:

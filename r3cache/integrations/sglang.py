@@ -153,13 +153,10 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
         raise
     atexit.register(_close)  # a scheduler that exits normally writes what is pending
     _STATE.inline = engine.inline()
-    port = engine.metrics_port()
-    if port:
-        from r3cache import metrics
-
-        port += getattr(parallel, "dp_rank", None) or getattr(parallel, "attn_dp_rank", 0) or 0
-        metrics.serve(port)
-        log.info("r3cache: metrics on port %s (/metrics)", port)
+    server = engine.serve_metrics(
+        getattr(parallel, "dp_rank", None) or getattr(parallel, "attn_dp_rank", 0) or 0)
+    if server is not None:
+        log.info("r3cache: metrics on port %s (/metrics)", server.server_port)
     log.info("r3cache: routed experts of %s go to %r (namespace %r, layout %s)",
              args.model_path, store, namespace, layout.fingerprint)
 

@@ -451,29 +451,29 @@ def worker_connector(model, vllm_config, kv_cache_config) -> VllmWorkerConnector
     if embedded and not engine.inline():
         log.warning("r3cache: R3CACHE_INLINE=0 on memory://: responses carry no routes, and "
                     "no trainer can read a store inside the engine; use a Redis URL")
-    _publish_metrics()
+    _publish_metrics(vllm_config.parallel_config.data_parallel_rank_local or 0)
     return VllmWorkerConnector(worker)
 
 
 _METRICS_PUBLISHED: list[Any] = []
 
 
-def _publish_metrics() -> None:
+def _publish_metrics(rank: int) -> None:
     """Once a process: this connector's metrics for the API server's /metrics (exported
     to the directory it made), and with ``R3CACHE_METRICS_PORT`` on a port of their own
     (vLLM's /metrics is served by its API process, the connector runs in the engine
-    core's)."""
+    core's; ``rank``: the engine core's data-parallel rank on this host)."""
     if _METRICS_PUBLISHED:
         return
-    port = engine.metrics_port()
     from r3cache import metrics
 
     directory = os.environ.get(_METRICS_DIR)
     if directory:
         _METRICS_PUBLISHED.append(metrics.export(directory))
-    if port:
-        _METRICS_PUBLISHED.append(metrics.serve(port))
-        log.info("r3cache: metrics on port %s (/metrics)", port)
+    server = engine.serve_metrics(rank)
+    if server is not None:
+        _METRICS_PUBLISHED.append(server)
+        log.info("r3cache: metrics on port %s (/metrics)", server.server_port)
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:
