@@ -13,6 +13,7 @@ from r3cache.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
+from r3cache.store.redis.nodes import is_topology_error
 
 
 @contextmanager
@@ -32,6 +33,10 @@ def redis_errors(namespace: str | None, what: str) -> Iterator[None]:
         raise StoreUnavailableError(
             f"{_where(namespace, what)}: Redis unavailable ({type(exc).__name__}: {exc})") from None
     except redis.exceptions.ResponseError as exc:
+        if is_topology_error(exc):  # still moving once the retries ran out
+            raise StoreUnavailableError(
+                f"{_where(namespace, what)}: the cluster is moving slots or failing over "
+                f"({type(exc).__name__}: {exc})") from None
         if "can't run this command" in str(exc) or str(exc).startswith("NOPERM"):
             # An ACL refusal inside a script arrives as a plain error reply.
             raise StoreAccessError(f"{_where(namespace, what)} was refused: {exc}") from None

@@ -14,6 +14,10 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 CHUNK = 512  # keys per command group: bounds how long one call occupies the server
+# Seconds a round keeps retrying, past its retries, while replies say that the cluster is
+# moving slots (a reshard: new keys of a migrating slot are refused until it has moved)
+# or failing over; a dropped connection gets the retries alone.
+TOPOLOGY_WAIT = 10.0
 _SEND_BYTES = 64 << 10  # packed commands are sent in bursts of about this size
 
 
@@ -246,18 +250,20 @@ def execute(
     retries: int,
     chunk: int = CHUNK,
     ahead: int | None = None,
-    on_resend: Callable[[list[int]], None] | None = None,
 ) -> Iterator[tuple[list[int], list[Any]]]:
     """Run ``build(indices)``'s commands for every group of ``keys``, one round per node.
 
     Yields ``(indices, replies)`` per group. A lost script (NOSCRIPT after a restart
     or failover) is loaded and that command alone re-sent; a topology change or a
     dropped connection relearns the slot map and retries the affected groups, up to
-    ``retries`` times. Any other error reply is raised. ``on_resend`` hears the indices
-    re-sent after a dropped connection: the server may have run their commands already.
+    ``retries`` times (and for ``TOPOLOGY_WAIT`` seconds at least while the topology
+    changes). Any other error reply is raised. A retried group is sent whole, so
+    its commands must be idempotent: some of them may have run already (the rest of a
+    group that met a moved key, a group whose replies a dropped connection lost).
     """
     pending = list(range(len(keys)))
-    for attempt in range(retries + 1):
+    attempt, moving_until = 0, None
+    while True:
         plan = []  # per node: (client, groups of key indices, their commands once built)
         for client, lists in nodes.partition([keys[i] for i in pending], chunk).items():
             plan.append((client, [[pending[p] for p in positions] for positions in lists], []))
@@ -270,7 +276,9 @@ def execute(
                 for n, g, replies in calls.replies():
                     client, groups, built = plan[n]
                     if any(is_topology_error(r) for r in replies):
-                        if attempt == retries:
+                        if moving_until is None:
+                            moving_until = time.monotonic() + TOPOLOGY_WAIT
+                        if attempt >= retries and time.monotonic() >= moving_until:
                             raise next(r for r in replies if is_topology_error(r))
                         retry += groups[g]
                         continue
@@ -280,16 +288,15 @@ def execute(
             finally:
                 calls.close()
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            if attempt == retries:
+            if attempt >= retries:
                 raise
             retry = [i for n, (_, groups, _) in enumerate(plan) for g, idx in enumerate(groups)
                      if (n, g) not in served for i in idx]
-            if on_resend is not None:
-                on_resend(retry)
         if not retry:
             return
         pending = retry
         _relearn(nodes, attempt)
+        attempt += 1
 
 
 def _reload_scripts(client, commands, replies: list[Any], scripts: dict[str, Any]) -> None:

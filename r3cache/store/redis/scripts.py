@@ -28,30 +28,34 @@ local function settle(block, refs, idle_ms, rank)
 end
 """
 
-# ARGV: owner, idle_ms, then per key 5 values: block key, refs key, retain, release, rank.
-# Applies this owner's retains, then its releases (never below zero), then settles
-# each block's TTL. Block bytes never pass through Lua: they go by native SET NX.
+# ARGV: owner, idle_ms, then per key 4 values: block key, refs key, count, rank.
+# Sets this owner's hold count on each block (none at 0), then settles each block's TTL.
+# Counts are what the owner holds, not changes to them: a call sent again (a round
+# retried after a topology change or a dropped connection, a put retried after it
+# failed halfway) leaves the same counts. Block bytes never pass through Lua: they go
+# by native SET NX.
 HOLDS = _HOLDS_SHEBANG + _SETTLE + """
 local owner, idle_ms = ARGV[1], tonumber(ARGV[2])
-for i = 3, #ARGV, 5 do
+for i = 3, #ARGV, 4 do
   redis.call('EXISTS', ARGV[i], ARGV[i + 1])
 end
-for i = 3, #ARGV, 5 do
-  local block, refs = ARGV[i], ARGV[i + 1]
-  local retain, release = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
-  if retain > 0 then redis.call('HINCRBY', refs, owner, retain) end
-  if release > 0 and tonumber(redis.call('HINCRBY', refs, owner, -release)) <= 0 then
+for i = 3, #ARGV, 4 do
+  local block, refs, count = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  if count > 0 then
+    redis.call('HSET', refs, owner, count)
+  else
     redis.call('HDEL', refs, owner)
   end
-  settle(block, refs, idle_ms, tonumber(ARGV[i + 4]))
+  settle(block, refs, idle_ms, tonumber(ARGV[i + 3]))
 end
 return 1
 """
 
 # ARGV: groups of n, n owners, m, then m pairs (block key, refs key). Each owner of a
-# group takes one hold on each of the group's blocks, which then have no TTL: the
-# manifests of finished requests holding their blocks, where the samples of one prompt
-# share its blocks (one call names each block once, not once per manifest).
+# group holds each of the group's blocks once (a count of 1, however often the call is
+# sent), and the blocks then have no TTL: the manifests of finished requests holding
+# their blocks, where the samples of one prompt share its blocks (one call names each
+# block once, not once per manifest).
 MANIFEST_HOLDS = _HOLDS_SHEBANG + """
 local function each_group(apply)
   local i = 1
@@ -71,7 +75,7 @@ end)
 each_group(function(owner1, ownern, first, last)
   for k = first, last, 2 do
     for o = owner1, ownern do
-      redis.call('HINCRBY', ARGV[k + 1], ARGV[o], 1)
+      redis.call('HSET', ARGV[k + 1], ARGV[o], 1)
     end
     redis.call('PERSIST', ARGV[k])
   end

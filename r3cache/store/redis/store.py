@@ -116,10 +116,13 @@ def missing_namespace(source, display: str, keys: KeySchema | None = None
 class _KeyOps:
     """Own one batch's operations on one key: holds to add and drop, bytes to write."""
 
-    __slots__ = ("retain", "release", "rank", "rows", "data")
+    __slots__ = ("retain", "release", "rank", "pinned", "held", "rows", "data")
 
     def __init__(self) -> None:
         self.retain = self.release = self.rank = 0
+        # This owner's hold count once the batch's retains are applied, and at its end:
+        # what the hold scripts set, so sending them again changes nothing.
+        self.pinned = self.held = 0
         self.rows: np.ndarray | None = None
         self.data: bytes | None = None  # the encoded rows, once built
 
@@ -157,9 +160,9 @@ class RedisBlockStore:
         # What this owner holds, as it asked: close() drops exactly these holds, and a
         # lease that finds itself reclaimed applies them again. Guarded by _hold_lock.
         self._holds: Counter[str] = Counter()
-        # Keys whose retain was re-sent after a dropped connection: the server may hold
-        # one more than _holds says (at-least-once), so close() drops these whole too.
-        self._resent: set[str] = set()
+        # Keys a failed put may have left held in Redis though _holds, rolled back so that
+        # the caller's retry counts once, does not count them: close() drops these too.
+        self._uncertain: set[str] = set()
         self._hold_lock = threading.RLock()
         self._closed = False
         self.reopen_args: tuple[str, dict] | None = None  # set by open_redis_store
@@ -196,30 +199,40 @@ class RedisBlockStore:
         check_keys([*objects, *retain_keys, *release_keys,
                     *(k for m in manifests for k in m.block_keys)])
         with redis_errors(self.namespace, "writing blocks"), self._hold_lock:
-            if not manifests:
-                self._write(objects, retain_keys, release_keys)
-                return
-            # Manifests hold their blocks before the engine releases them.
-            self._write(objects, retain_keys, ())
-            self._record(manifests)
-            self._write({}, (), release_keys)
+            journal: dict[str, int] = {}  # key -> its count in _holds before this put
+            try:
+                if not manifests:
+                    self._write(objects, retain_keys, release_keys, journal)
+                    return
+                # Manifests hold their blocks before the engine releases them.
+                self._write(objects, retain_keys, (), journal)
+                self._record(manifests)
+                self._write({}, (), release_keys, journal)
+            except BaseException:
+                # The caller retries the whole put (the worker carries what it held): the
+                # retry must count each pin once. What this one set in Redis, its retry
+                # sets again, or close() drops.
+                for key, count in journal.items():
+                    self._set_hold(key, count)
+                self._uncertain.update(journal)
+                raise
 
     def _variant(self, keys: Collection[str]) -> list[str]:
         """``keys`` with this writer's variant in place of each key it lost a conflict on."""
         variants = self._variants
         return [variants.get(k, k) for k in keys] if variants else list(keys)
 
-    def _write(self, objects, retain_keys, release_keys) -> None:
+    def _write(self, objects, retain_keys, release_keys, journal: dict[str, int]) -> None:
         """One round: this owner's retains, the blocks' bytes, its releases; then, for
         keys under which another writer's rows sit, the same for this writer's variant."""
         if self._variants:
             objects = dict(zip(self._variant(objects), objects.values()))
             retain_keys, release_keys = self._variant(retain_keys), self._variant(release_keys)
-        lost = self._round(objects, retain_keys, release_keys)
+        lost = self._round(objects, retain_keys, release_keys, journal)
         if lost:
-            self._move_to_variants(lost)
+            self._move_to_variants(lost, journal)
 
-    def _move_to_variants(self, lost: dict[str, np.ndarray]) -> None:
+    def _move_to_variants(self, lost: dict[str, np.ndarray], journal: dict[str, int]) -> None:
         """Write each lost key's rows under its variant, and move this owner's holds there.
 
         The variant's name is the key and a digest of the rows, so it is the same for
@@ -229,11 +242,16 @@ class RedisBlockStore:
             self._variants[key] = f"{key}~{codec.rows_digest(rows)}"
         moved = [k for k in lost for _ in range(self._holds[k])]
         self._round({self._variants[k]: rows for k, rows in lost.items()},
-                    [self._variants[k] for k in moved], moved)
+                    [self._variants[k] for k in moved], moved, journal)
 
-    def _round(self, objects, retain_keys, release_keys, track: bool = True
+    def _round(self, objects, retain_keys, release_keys, journal: dict[str, int] | None
                ) -> dict[str, np.ndarray]:
-        """One round of writes; returns the rows of keys whose stored bytes are another's."""
+        """One round of writes; returns the rows of keys whose stored bytes are another's.
+
+        Applies the retains and releases to ``_holds``, each changed key's earlier count
+        kept in ``journal``; with ``journal`` None, sends each retained key's count as
+        ``_holds`` has it (re-applying every hold after a reclaim), changing nothing.
+        """
         ops: dict[str, _KeyOps] = {}
         for key, rows in objects.items():
             ops.setdefault(key, _KeyOps()).rows = rows
@@ -245,16 +263,23 @@ class RedisBlockStore:
             op.rank = rank
         if not ops:
             return {}
-        if track:
-            self._track_holds(retain_keys, release_keys)
+        holds = self._holds
+        for key, op in ops.items():
+            count = holds.get(key, 0)
+            if journal is None:
+                op.pinned = op.held = count
+                continue
+            op.pinned = count + op.retain
+            op.held = max(op.pinned - op.release, 0)  # releases never go below zero
+            if op.retain or op.release:
+                journal.setdefault(key, count)
+                self._set_hold(key, op.held)
         names = list(ops)
         block_keys = [self.keys.block(k) for k in names]
         lost: dict[str, np.ndarray] = {}
         for indices, replies in self._execute(
             block_keys, lambda idx: self._write_commands(names, block_keys, ops, idx),
             chunk=_WRITE_CHUNK,
-            on_resend=lambda idx: self._resent.update(
-                names[i] for i in idx if ops[names[i]].retain),
         ):
             written = [i for i in indices if ops[names[i]].rows is not None]
             offset = 1 if any(ops[names[i]].retain for i in indices) else 0
@@ -381,7 +406,7 @@ class RedisBlockStore:
             op = ops[names[i]]
             refs = self.keys.refs(names[i])
             if op.retain:
-                before += (block_keys[i], refs, op.retain, 0, 0)
+                before += (block_keys[i], refs, op.pinned, 0)
             if op.rows is not None:
                 op.data = self._codec.encode(op.rows)
                 # A block this round pins is written without a TTL and needs no settling
@@ -389,7 +414,7 @@ class RedisBlockStore:
                 ttl = () if op.retain else ("PX", self._idle_ms)
                 writes.append(("SET", block_keys[i], op.data, "NX", "GET", *ttl))
             if op.release or (op.rows is not None and not op.retain):
-                after += (block_keys[i], refs, 0, op.release, op.rank)
+                after += (block_keys[i], refs, op.held, op.rank)
         commands = [HOLDS_SCRIPT.command(*head, *before)] if before else []
         commands += writes
         if after:
@@ -399,14 +424,11 @@ class RedisBlockStore:
                              int(self.options.wait_timeout * 1000)))
         return commands
 
-    def _track_holds(self, retain_keys: Collection[str], release_keys: Sequence[str]) -> None:
-        holds = self._holds
-        holds.update(retain_keys)
-        for key in release_keys:
-            if holds[key] > 1:
-                holds[key] -= 1
-            else:
-                holds.pop(key, None)
+    def _set_hold(self, key: str, count: int) -> None:
+        if count:
+            self._holds[key] = count
+        else:
+            self._holds.pop(key, None)
 
     def _count(self, op: _KeyOps, old: bytes | None) -> bool:
         """Count one SET NX reply; whether the stored bytes are another writer's."""
@@ -522,9 +544,8 @@ class RedisBlockStore:
     def close(self) -> None:
         """Drop every hold this owner still has, then its lease and registry entry.
 
-        Holds are dropped whole (not decremented), so a retain that a retry applied
-        twice cannot outlive the owner. If Redis is unreachable, the lease expires
-        and the janitor reclaims the holds instead.
+        Holds are dropped whole, also on keys a failed put may have held. If Redis is
+        unreachable, the lease expires and the janitor reclaims the holds instead.
         """
         if self._closed:
             return
@@ -535,10 +556,10 @@ class RedisBlockStore:
 
                 self._lease.stop()  # first: a heartbeat may be re-applying holds
                 with redis_errors(self.namespace, "closing"), self._hold_lock:
-                    held = {*self._holds, *self._resent}
+                    held = {*self._holds, *self._uncertain}
                     drop_holds(self, [self.owner], [self.keys.refs(k) for k in held])
                     self._holds.clear()
-                    self._resent.clear()
+                    self._uncertain.clear()
                     self._lease.unregister()
         finally:
             self._nodes.close()
@@ -547,11 +568,9 @@ class RedisBlockStore:
 
     def _execute(self, keys: Sequence[bytes], build: Callable[[list[int]], list],
                  chunk: int = CHUNK, ahead: int | None = None,
-                 on_resend: Callable[[list[int]], None] | None = None,
                  ) -> Iterator[tuple[list[int], list[Any]]]:
         return execute(self._nodes, keys, build, scripts=SCRIPTS,
-                       retries=self.options.retries, chunk=chunk, ahead=ahead,
-                       on_resend=on_resend)
+                       retries=self.options.retries, chunk=chunk, ahead=ahead)
 
     def per_key(self, keys: list[bytes], command: Callable[[bytes], tuple]) -> list:
         """One command per key, pipelined per node; replies in key order."""
@@ -580,9 +599,8 @@ class RedisBlockStore:
                 log.warning("namespace %r: its metadata was gone (Redis restarted without "
                             "persistence?); written again", self.namespace)
                 self._open_namespace()
-            holds = list(self._holds.elements()) if holds else []
-            if holds:
-                self._round({}, holds, (), track=False)
+            if holds and self._holds:
+                self._round({}, list(self._holds), (), None)
 
     def _open_namespace(self) -> None:
         fields = {
