@@ -142,6 +142,36 @@ def test_publication_survives_a_primary_killed_mid_run(reliability):
                     f"{report.store_stats.unreplicated} unreplicated block(s), 0 lost")
 
 
+def test_an_engine_starting_while_a_primary_fails_over_waits_for_the_replica(reliability):
+    """The engine's store opens, then the primary serving its owner entry dies before the
+    helper process takes over: the engine starts once the replica is promoted (within
+    store_wait), not with an error from unregistering the store it hands over."""
+    from r3cache import WorkerConnector
+    from r3cache.testing import RedisClusterProcesses
+
+    with RedisClusterProcesses() as cluster:
+        store = open_store(cluster.url, layout=LAYOUT, namespace="starting")
+        owners = store.keys.owners
+        victim = next(n for n in cluster.primaries()
+                      if n.port == store.client_for(owners).get_connection_kwargs()["port"])
+        victim.kill(signal.SIGKILL)
+        began = time.monotonic()
+        worker = WorkerConnector(layout=LAYOUT, store=store, store_wait=20)
+        started = time.monotonic() - began
+        rows = np.zeros(LAYOUT.block_shape, LAYOUT.dtype)
+        rows[..., 1] = 1
+        worker.store.put({"ab" * 32: rows}, ["ab" * 32])
+        worker.store.flush()
+        reader = open_store(cluster.url, layout=LAYOUT, namespace="starting", lease=False)
+        assert reader.get_concatenated(["ab" * 32]).tobytes() == rows.tobytes()
+        reader.close()
+        worker.close()
+    reliability("6-node cluster: the primary of the engine's owner entry SIGKILLed as the "
+                "engine starts", "one engine start (helper writer), one block",
+                "the engine starts once the replica is promoted; the block is stored",
+                f"started after {started:.1f} s; block read back exact")
+
+
 def test_a_reshard_mid_run_leaves_every_hold_as_the_owner_asked(reliability):
     """Slots move between primaries (redis-cli --cluster reshard) while an owner stores
     blocks, pins each twice and releases it over two later puts. A migrating slot refuses

@@ -510,7 +510,11 @@ def spawn_writer(store: Any, **kwargs: Any) -> ProcessWriter:
     """A ProcessWriter for the namespace of an open RedisBlockStore, which it closes first
     (the helper registers as the same owner when the caller fixed one)."""
     url, options = store.reopen_args
-    store.close()
+    # Where Redis cannot be told now (a failover under way), the store's entry and holds
+    # (none, for a store opened for the engine) go with its lease; the helper then waits
+    # for Redis to answer, up to max_wait.
+    with contextlib.suppress(StoreUnavailableError):
+        store.close()
     # The store ran the janitor as it opened, a moment ago: the helper's open need not.
     return ProcessWriter(url, store.layout, store.namespace, {**options, "janitor": False},
                          **kwargs)
