@@ -36,11 +36,12 @@ class JanitorReport:
 
 
 def scan_keys(store, pattern: bytes) -> list[bytes]:
-    """Every key matching ``pattern`` on every primary (SCAN, never KEYS)."""
-    found: list[bytes] = []
+    """Every key matching ``pattern`` on every primary (SCAN, never KEYS), each once: a
+    key whose slot moves during the scan (a reshard) may be met on two primaries."""
+    found: dict[bytes, None] = {}
     for client in store.primaries():
-        found.extend(client.scan_iter(match=pattern, count=_SCAN_COUNT))
-    return found
+        found.update(dict.fromkeys(client.scan_iter(match=pattern, count=_SCAN_COUNT)))
+    return list(found)
 
 
 def _sweep(store, candidates=()) -> tuple[list[str], list[str]]:
