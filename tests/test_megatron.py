@@ -238,3 +238,28 @@ def test_a_recomputed_forward_replays_the_same_experts_again(groups, redis_url, 
         replay.recompute()  # activation checkpointing: the backward recomputes the forward
         again = stack(torch.randn(12, 2, HIDDEN))  # other activations, same recorded routes
     assert [_chosen(m) for m in again] == [_chosen(m) for m in first]
+
+
+@pytest.mark.parametrize("pattern", [1, [1, 0, 1, 1]])
+def test_moe_only_routes_map_to_a_pipeline_stages_routers_by_their_layers(groups, pattern):
+    """Under pipeline parallelism a stage holds some of the model's routers: with routes of
+    MoE layers only, each replays its place among all the model's MoE layers (counted by
+    moe_layer_freq up to its global layer number), not its place on the stage."""
+    moe = [n for n in range(1, 5) if pattern == 1 or pattern[n - 1]]
+    stack = moe_stack(groups, num_layers=4, moe_layers=moe, hidden=HIDDEN, experts=EXPERTS,
+                      topk=TOPK, moe_layer_freq=pattern, pipeline_model_parallel_size=2,
+                      pipeline_dtype=torch.float32)
+    rng = np.random.default_rng(7)
+    routes = [np.argsort(rng.random((n, 4, EXPERTS)), axis=-1)[..., :TOPK].astype(np.uint8)
+              for n in (9, 6)]
+    moe_only = [r[:, [n - 1 for n in moe]] for r in routes]
+    batch = ReplayBatch(seq_len=12, names=["a", "b"])
+    full = replay_targets(stack.routers, routes, batch)  # every layer: global numbers
+    second = [r for r in stack.routers if r.layer_number > 2]  # the second stage's routers
+    targets = replay_targets(second, moe_only, batch, layers="moe")
+    assert len(targets) == len(second) >= 1
+    assert all(np.array_equal(t, f) for t, f in zip(targets, full[-len(second):]))
+    # A pattern that has no MoE layer where a router sits is a mismatch, not a guess.
+    stack.config.moe_layer_freq = [1, 1, 1, 0]
+    with pytest.raises(ReplayError, match="decoder layer 4 has a router"):
+        replay_targets(second, moe_only, batch, layers="moe")

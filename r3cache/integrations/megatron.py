@@ -145,13 +145,41 @@ def _check_ids(name: str, rows: np.ndarray, num_experts: int) -> None:
 
 
 def _columns(routers: Sequence[Any], layers: str) -> list[int]:
-    if layers == "moe":
-        return list(range(len(routers)))
+    """The routes' layer each router replays: its decoder layer (``layer_number``, global
+    across pipeline stages), or with ``"moe"`` its place among the model's MoE layers.
+
+    One pipeline stage holds every router, in order. Under pipeline parallelism a stage
+    holds only some (not one run of them, with virtual stages), so each router's place
+    is counted from the model's MoE layer pattern (``moe_layer_freq``) up to its layer.
+    """
     numbers = [getattr(r, "layer_number", None) for r in routers]
-    if any(n is None or n < 1 for n in numbers):
-        raise ReplayError("a router has no layer_number; pass layers='moe' to map routers to "
-                          "the routes' layers in order")
-    return [n - 1 for n in numbers]
+    known = all(isinstance(n, int) and n >= 1 for n in numbers)
+    config = routers[0].config
+    staged = (getattr(config, "pipeline_model_parallel_size", 1) or 1) > 1
+    if layers == "moe" and not staged:
+        return list(range(len(routers)))
+    if not known:
+        raise ReplayError("a router has no layer_number; " + (
+            "with pipeline parallelism each stage's routers need it to find their layers"
+            if staged else "pass layers='moe' to map routers to the routes' layers in order"))
+    if layers == "all":
+        return [n - 1 for n in numbers]
+    pattern = _moe_layer_pattern(config)
+    beyond = [n for n in numbers if n > len(pattern) or not pattern[n - 1]]
+    if beyond:
+        raise ReplayError(f"decoder layer {beyond[0]} has a router, but the model's MoE layer "
+                          f"pattern (moe_layer_freq) does not make it an MoE layer")
+    starts = np.concatenate(([0], np.cumsum(pattern)))
+    return [int(starts[n - 1]) for n in numbers]
+
+
+def _moe_layer_pattern(config: Any) -> list[int]:
+    """1 for each decoder layer that is an MoE layer, as Megatron-Core's GPT layer specs
+    read ``moe_layer_freq``: every k-th layer from the first, or an explicit list."""
+    freq, num_layers = config.moe_layer_freq, config.num_layers
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(num_layers)]
+    return [int(bool(x)) for x in freq]
 
 
 def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[str]
