@@ -148,6 +148,12 @@ def test_mismatches_are_refused_before_any_target_is_set(groups, redis_url, name
     _refused(stack, [r[..., [0, 0]] for r in routes], ReplayBatch(seq_len=16), "twice")
     _refused(stack, routes, ReplayBatch(seq_len=16.5), "seq_len")
     _refused(stack, routes, ReplayBatch(cu_seqlens=[0.0, 12.5, 30.0]), "cu_seqlens")
+    with pytest.raises(ReplayError, match="2 \\* cp_size"):  # 18 positions, 4 chunks
+        replay_targets(stack.routers, routes, ReplayBatch(seq_len=18), cp_rank=1, cp_size=2)
+    with pytest.raises(ReplayError, match="padded"):
+        replay_targets(stack.routers, routes, ReplayBatch(cu_seqlens=[0, 12, 28]), cp_size=2)
+    with pytest.raises(ReplayError, match="rank 2"):
+        replay_targets(stack.routers, routes, ReplayBatch(seq_len=16), cp_rank=2, cp_size=2)
     assert all(r.router_replay.target_topk_idx is None for r in stack.routers)
     _refused(Stack(groups, moe_router_fusion=True), routes, ReplayBatch(seq_len=16),
              "fusion")
@@ -263,3 +269,41 @@ def test_moe_only_routes_map_to_a_pipeline_stages_routers_by_their_layers(groups
     stack.config.moe_layer_freq = [1, 1, 1, 0]
     with pytest.raises(ReplayError, match="decoder layer 4 has a router"):
         replay_targets(second, moe_only, batch, layers="moe")
+
+
+def _cp_routes() -> list[np.ndarray]:
+    rng = np.random.default_rng(11)
+    return [np.argsort(rng.random((n, 3, EXPERTS)), axis=-1)[..., :TOPK].astype(np.uint8)
+            for n in (9, 14, 6)]
+
+
+def _context_parallel_rank(rank: int, port: int) -> None:
+    """One rank of a real two-process context-parallel group (gloo): Megatron's own
+    get_batch_on_this_cp_rank slices the batch; router_replay, with its defaults, reads the
+    rank from Megatron's parallel state and replays exactly the tokens this rank holds."""
+    import os
+
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=2)
+    stack = moe_stack(ProcessGroupCollection.use_mpu_process_groups(), num_layers=3,
+                      moe_layers=(1, 3), hidden=HIDDEN, experts=EXPERTS, topk=TOPK,
+                      context_parallel_size=2)
+    routes = _cp_routes()
+    s, b = 16, len(routes)
+    local = get_batch_on_this_cp_rank({"position_ids": torch.arange(s).repeat(b, 1)})
+    positions = local["position_ids"].numpy()  # [b, s / cp]: this rank's positions
+    with router_replay(stack, routes, ReplayBatch(seq_len=s)):
+        replayed = stack(torch.randn(positions.shape[1], b, HIDDEN))
+    mine = [(i, int(positions[i, p])) for p in range(positions.shape[1]) for i in range(b)]
+    for router_maps, column in zip(replayed, (0, 2)):
+        assert _chosen(router_maps) == _expected(routes, column, mine)
+    torch.distributed.destroy_process_group()
+
+
+def test_context_parallel_ranks_each_replay_the_chunks_megatron_gives_them():
+    torch.multiprocessing.spawn(_context_parallel_rank, args=(free_port(),), nprocs=2)

@@ -9,8 +9,12 @@ num_tokens - 2`` — in the token order the router sees:
 - sequence-major: hidden states are ``[s, b, h]``, so token ``(position p, sample i)`` is
   row ``p * b + i`` of a padded batch; a packed (THD) batch is the sequences one after the
   other, at offsets ``cu_seqlens``;
+- the context-parallel share: with context parallelism a rank holds two of the sequence's
+  ``2 * cp_size`` chunks, ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` (Megatron's
+  load-balanced split, ``get_batch_on_this_cp_rank``; padded batches);
 - the sequence-parallel share of the token axis: with sequence parallelism a tensor-parallel
-  rank routes only its ``1 / tp_size`` chunk of the sequence dimension;
+  rank routes only its ``1 / tp_size`` chunk of the sequence dimension (of its context-
+  parallel share);
 - the router's layer: ``layers="all"`` when the routes hold every decoder layer (vLLM and
   SGLang capture dense layers too), ``"moe"`` when they hold MoE layers only;
 - int64.
@@ -66,8 +70,8 @@ def moe_routers(model: Any) -> list[Any]:
 
 
 def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: ReplayBatch,
-                   *, layers: str = "all", tp_rank: int = 0, tp_size: int = 1
-                   ) -> list[np.ndarray]:
+                   *, layers: str = "all", tp_rank: int = 0, tp_size: int = 1,
+                   cp_rank: int = 0, cp_size: int = 1) -> list[np.ndarray]:
     """Each router's target indices ``[local_tokens, topk]`` (int64), in ``routers`` order."""
     if layers not in ("all", "moe"):
         raise ReplayError(f"layers must be 'all' or 'moe', not {layers!r}")
@@ -89,7 +93,10 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
             raise ReplayError(f"routes of {name!r} hold {rows.shape[1]} layers; the model's "
                               f"routers need layer {max(columns)} ({layers!r} layers)")
         _check_ids(name, rows, min(experts))
-    grid = _token_grid(routes, batch, names)  # (tokens, sequence index, position) sources
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ReplayError(f"context-parallel rank {cp_rank} of cp_size={cp_size}")
+    # (tokens, sequence index, position) sources
+    grid = _token_grid(routes, batch, names, cp_rank, cp_size)
     tokens = len(grid[0])
     if tp_size < 1 or not 0 <= tp_rank < tp_size or tokens % tp_size:
         raise ReplayError(f"{tokens} tokens cannot be split over tp_size={tp_size} "
@@ -111,7 +118,8 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
 
 
 def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: Sequence[Any],
-                        *, layers: str = "all", tp_rank: int = 0, tp_size: int = 1
+                        *, layers: str = "all", tp_rank: int = 0, tp_size: int = 1,
+                        cp_rank: int = 0, cp_size: int = 1
                         ) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
     """(routes, targets) for each batch of request ids, padded to its longest sequence;
     the next batch is read from the store while this one is converted."""
@@ -128,9 +136,12 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
             routes = ahead.result()
             if at + 1 < len(batches):
                 ahead = pool.submit(reader.get_many, batches[at + 1])
-            batch = ReplayBatch(seq_len=max(map(len, routes)) + 1, names=names)
+            longest = max(map(len, routes)) + 1  # split into 2 * cp_size equal chunks
+            batch = ReplayBatch(seq_len=-(-longest // (2 * cp_size)) * 2 * cp_size
+                                if cp_size > 1 else longest, names=names)
             yield routes, replay_targets(routers, routes, batch, layers=layers,
-                                         tp_rank=tp_rank, tp_size=tp_size)
+                                         tp_rank=tp_rank, tp_size=tp_size, cp_rank=cp_rank,
+                                         cp_size=cp_size)
 
 
 def _check_ids(name: str, rows: np.ndarray, num_experts: int) -> None:
@@ -182,10 +193,10 @@ def _moe_layer_pattern(config: Any) -> list[int]:
     return [int(bool(x)) for x in freq]
 
 
-def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[str]
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """For every token of the router's (sequence-major) axis: its sequence and position
-    in the routes, or -1 where no recorded row covers it."""
+def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[str],
+                cp_rank: int = 0, cp_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """For every token of the router's (sequence-major) axis on this context-parallel rank:
+    its sequence and position in the routes, or -1 where no recorded row covers it."""
     n = len(routes)
     lengths = [len(r) for r in routes]
     if (batch.seq_len is None) == (batch.cu_seqlens is None):
@@ -197,9 +208,19 @@ def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[st
             if length > s - 1:
                 raise ReplayError(f"routes of {name!r} cover {length} tokens; a sequence of "
                                   f"{s} positions holds at most {s - 1} recorded rows")
-        position = np.repeat(np.arange(s), n)  # token p * b + i
-        sequence = np.tile(np.arange(n), s)
+        positions = np.arange(s)
+        if cp_size > 1:
+            if s % (2 * cp_size):
+                raise ReplayError(f"seq_len={s} does not split into 2 * cp_size = "
+                                  f"{2 * cp_size} equal chunks")
+            chunks = positions.reshape(2 * cp_size, -1)
+            positions = np.concatenate((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]))
+        position = np.repeat(positions, n)  # token p * b + i
+        sequence = np.tile(np.arange(n), len(positions))
     else:
+        if cp_size > 1:  # each sequence split by Transformer Engine: not reproduced here
+            raise ReplayError("context parallelism is replayed for padded batches (seq_len); "
+                              "a packed (THD) batch splits each sequence across ranks")
         offsets = np.asarray(batch.cu_seqlens)
         if offsets.ndim != 1 or (offsets.size and offsets.dtype.kind not in "iu"):
             raise ReplayError(f"cu_seqlens must be a flat sequence of ints, not "
@@ -237,12 +258,14 @@ class Replay:
 @contextmanager
 def router_replay(model: Any, routes: Sequence[np.ndarray], batch: ReplayBatch, *,
                   layers: str = "all", tp_rank: int | None = None,
-                  tp_size: int | None = None, device: Any = None) -> Iterator[Replay]:
+                  tp_size: int | None = None, cp_rank: int | None = None,
+                  cp_size: int | None = None, device: Any = None) -> Iterator[Replay]:
     """Force the model's routers onto ``routes`` for the forward passes inside the block.
 
     ``tp_rank`` / ``tp_size`` default to Megatron's tensor-parallel group where the
-    routers' config has ``sequence_parallel``, else the whole token axis. Targets and
-    actions are cleared on exit, also on error.
+    routers' config has ``sequence_parallel``, else the whole token axis; ``cp_rank`` /
+    ``cp_size`` to its context-parallel group where ``context_parallel_size`` > 1.
+    Targets and actions are cleared on exit, also on error.
     """
     import torch
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -250,8 +273,10 @@ def router_replay(model: Any, routes: Sequence[np.ndarray], batch: ReplayBatch, 
     routers = moe_routers(model)
     if tp_size is None:
         tp_rank, tp_size = _sequence_parallel_share(routers[0].config)
+    if cp_size is None:
+        cp_rank, cp_size = _context_parallel_share(routers[0].config)
     targets = replay_targets(routers, routes, batch, layers=layers, tp_rank=tp_rank or 0,
-                             tp_size=tp_size)
+                             tp_size=tp_size, cp_rank=cp_rank or 0, cp_size=cp_size)
     try:
         for router, target in zip(routers, targets):
             router.router_replay.set_target_indices(torch.from_numpy(target).to(device))
@@ -270,3 +295,12 @@ def _sequence_parallel_share(config: Any) -> tuple[int, int]:
 
     return (parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _context_parallel_share(config: Any) -> tuple[int, int]:
+    if (getattr(config, "context_parallel_size", 1) or 1) <= 1:
+        return 0, 1
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_context_parallel_rank(),
+            parallel_state.get_context_parallel_world_size())
