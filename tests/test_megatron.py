@@ -188,6 +188,17 @@ def test_batches_read_ahead_convert_to_the_same_targets(groups, redis_url, names
         expected = replay_targets(stack.routers, mine,
                                   ReplayBatch(seq_len=max(map(len, mine)) + 1))
         assert all(np.array_equal(a, b) for a, b in zip(targets, expected))
+    # Sequence- and context-parallel ranks: padded so that Megatron splits the batch evenly
+    # (14 and 11 positions, a longest sequence's rows and last token, both padded to 16).
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        split = list(iter_replay_targets(reader, batches, stack.routers, tp_rank=1, tp_size=2,
+                                         cp_rank=1, cp_size=2))
+    for names, (_, targets) in zip(batches, split):
+        mine = [routes[ids.index(n)] for n in names]
+        expected = replay_targets(stack.routers, mine, ReplayBatch(seq_len=16), tp_rank=1,
+                                  tp_size=2, cp_rank=1, cp_size=2)
+        assert len(targets[0]) == 16 // 2 // 2 * len(names)
+        assert all(np.array_equal(a, b) for a, b in zip(targets, expected))
 
 
 @pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])

@@ -121,8 +121,10 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
                         *, layers: str = "all", tp_rank: int = 0, tp_size: int = 1,
                         cp_rank: int = 0, cp_size: int = 1
                         ) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
-    """(routes, targets) for each batch of request ids, padded to its longest sequence;
-    the next batch is read from the store while this one is converted."""
+    """(routes, targets) for each batch of request ids, padded to its longest sequence (its
+    rows and last token), rounded up to a multiple of ``tp_size`` and, with context
+    parallelism, of ``2 * cp_size``: what Megatron splits evenly across those ranks. The
+    next batch is read from the store while this one is converted."""
     from concurrent.futures import ThreadPoolExecutor
 
     batches = list(batches)
@@ -136,9 +138,9 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
             routes = ahead.result()
             if at + 1 < len(batches):
                 ahead = pool.submit(reader.get_many, batches[at + 1])
-            longest = max(map(len, routes)) + 1  # split into 2 * cp_size equal chunks
-            batch = ReplayBatch(seq_len=-(-longest // (2 * cp_size)) * 2 * cp_size
-                                if cp_size > 1 else longest, names=names)
+            unit = tp_size * (2 * cp_size if cp_size > 1 else 1)
+            seq_len = -(-(max(map(len, routes)) + 1) // unit) * unit
+            batch = ReplayBatch(seq_len=seq_len, names=names)
             yield routes, replay_targets(routers, routes, batch, layers=layers,
                                          tp_rank=tp_rank, tp_size=tp_size, cp_rank=cp_rank,
                                          cp_size=cp_size)
