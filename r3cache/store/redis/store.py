@@ -201,13 +201,13 @@ class RedisBlockStore:
         with redis_errors(self.namespace, "writing blocks"), self._hold_lock:
             journal: dict[str, int] = {}  # key -> its count in _holds before this put
             try:
-                if not manifests:
+                if manifests:
+                    # Manifests hold their blocks before the engine releases them.
+                    self._write(objects, retain_keys, (), journal)
+                    self._record(manifests)
+                    self._write({}, (), release_keys, journal)
+                else:
                     self._write(objects, retain_keys, release_keys, journal)
-                    return
-                # Manifests hold their blocks before the engine releases them.
-                self._write(objects, retain_keys, (), journal)
-                self._record(manifests)
-                self._write({}, (), release_keys, journal)
             except BaseException:
                 # The caller retries the whole put (the worker carries what it held): the
                 # retry must count each pin once. What this one set in Redis, its retry
@@ -216,6 +216,8 @@ class RedisBlockStore:
                     self._set_hold(key, count)
                 self._uncertain.update(journal)
                 raise
+            if self._uncertain:  # the keys this put set are as _holds counts them again
+                self._uncertain.difference_update(journal)
 
     def _variant(self, keys: Collection[str]) -> list[str]:
         """``keys`` with this writer's variant in place of each key it lost a conflict on."""
