@@ -266,9 +266,7 @@ def test_moe_only_routes_map_to_a_pipeline_stages_routers_by_their_layers(groups
     stack = moe_stack(groups, num_layers=4, moe_layers=moe, hidden=HIDDEN, experts=EXPERTS,
                       topk=TOPK, moe_layer_freq=pattern, pipeline_model_parallel_size=2,
                       pipeline_dtype=torch.float32)
-    rng = np.random.default_rng(7)
-    routes = [np.argsort(rng.random((n, 4, EXPERTS)), axis=-1)[..., :TOPK].astype(np.uint8)
-              for n in (9, 6)]
+    routes = _random_routes(7, 4, (9, 6))
     moe_only = [r[:, [n - 1 for n in moe]] for r in routes]
     batch = ReplayBatch(seq_len=12, names=["a", "b"])
     full = replay_targets(stack.routers, routes, batch)  # every layer: global numbers
@@ -282,10 +280,11 @@ def test_moe_only_routes_map_to_a_pipeline_stages_routers_by_their_layers(groups
         replay_targets(second, moe_only, batch, layers="moe")
 
 
-def _cp_routes() -> list[np.ndarray]:
-    rng = np.random.default_rng(11)
-    return [np.argsort(rng.random((n, 3, EXPERTS)), axis=-1)[..., :TOPK].astype(np.uint8)
-            for n in (9, 14, 6)]
+def _random_routes(seed: int, layers: int, lengths) -> list[np.ndarray]:
+    """Valid routes of the given lengths: TOPK distinct experts in every (token, layer)."""
+    rng = np.random.default_rng(seed)
+    return [np.argsort(rng.random((n, layers, EXPERTS)), axis=-1)[..., :TOPK].astype(np.uint8)
+            for n in lengths]
 
 
 def _context_parallel_rank(rank: int, port: int) -> None:
@@ -304,7 +303,7 @@ def _context_parallel_rank(rank: int, port: int) -> None:
     stack = moe_stack(ProcessGroupCollection.use_mpu_process_groups(), num_layers=3,
                       moe_layers=(1, 3), hidden=HIDDEN, experts=EXPERTS, topk=TOPK,
                       context_parallel_size=2)
-    routes = _cp_routes()
+    routes = _random_routes(11, 3, (9, 14, 6))
     s, b = 16, len(routes)
     local = get_batch_on_this_cp_rank({"position_ids": torch.arange(s).repeat(b, 1)})
     positions = local["position_ids"].numpy()  # [b, s / cp]: this rank's positions
