@@ -122,7 +122,7 @@ def test_publication_survives_a_primary_killed_mid_run(reliability):
         config = SimConfig(max_num_seqs=4, max_num_batched_tokens=64, num_spec_tokens=2,
                            keep_manifests=True, seed=2)
         report = simulate(workload, RoutingLayout(48, 8, 128, 16), config,
-                          store_url=cluster.url, namespace="failover", retries=20,
+                          store_url=cluster.url, namespace="failover",
                           wait_replicas=1)
         assert "at" in killed  # killed while the engine was running
         assert report.failures == []
@@ -425,13 +425,14 @@ def _server(stall: str, tmp_path) -> RedisServer:
 @pytest.mark.parametrize("stall", sorted(STALLS))
 def test_a_stalled_redis_raises_at_the_next_step_within_the_bound(stall, tmp_path,
                                                                   reliability):
-    from r3cache.errors import StoreUnavailableError, WriterError
+    from r3cache.errors import StoreUnavailableError
 
     (tmp_path / stall).mkdir()
     server = _server(stall, tmp_path)
     engine, worker, workload = _stalled_run(server, "raise", stall)
     began = time.monotonic()
-    with pytest.raises((StoreUnavailableError, WriterError)):
+    # Not the writer's failure: it writes the refused batch again once Redis answers.
+    with pytest.raises(StoreUnavailableError):
         engine.run(workload)
     raised_after = time.monotonic() - began
     slowest = max(engine.report.step_seconds, default=0)
@@ -573,6 +574,50 @@ def test_closing_on_a_stalled_redis_is_bounded_and_the_holds_still_go(writer, la
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
+def test_closing_while_redis_is_down_stops_the_writer_that_was_retrying(writer, layout,
+                                                                       reliability):
+    """Redis is killed under a running engine, and the engine closes while it is down:
+    close() gives up within store_wait, and the writer, which was writing its batch
+    again and again, stops (nobody waits for it); it does not outlive the engine's
+    connector waiting for a Redis that may never come back."""
+    from r3cache import StepBatch, StepMetadata, WorkerConnector
+    from r3cache.errors import StoreUnavailableError
+    from r3cache.hashing import block_hashes
+    from r3cache.sim import oracle_rows
+    from tests.conftest import wait_for
+
+    with RedisServer() as server:
+        store = open_store(server.url, layout=layout, namespace=f"close-down-{writer}",
+                           retries=1)
+        worker = WorkerConnector(layout=layout, store=store, writer=writer, store_wait=0.5)
+        remote = worker.store.remote
+        server.kill()
+        tokens = list(range(9))
+        worker.begin_step(StepMetadata(0, {"r": 0}, {"r": block_hashes(tokens, 4)[:2]}, ()))
+        pending = worker.prepare_output(StepBatch(["r"], np.array([0]), np.array([0, 8])),
+                                        routed_experts=oracle_rows(tokens, layout)[:8])
+        pending.enqueue_cpu_copy([1], [0])
+        worker.process_output(pending)  # taken by the writer, which cannot write it
+        time.sleep(1.0)  # past the client's retries: the writer writes it again
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="while closing"):
+            worker.close()
+        took = time.monotonic() - began
+        if writer == "thread":
+            wait_for(lambda: not remote._thread.is_alive(), 5, "the writer thread to end")
+        else:
+            wait_for(lambda: remote._process.poll() is not None, 5,
+                     "the helper process to exit")
+        stopped = time.monotonic() - began
+    assert took < 1.5
+    reliability(f"engine closed while Redis is down (SIGKILL, not restarted), {writer} "
+                "writer", "1 request, 2 blocks the writer keeps writing again",
+                "close() raises a typed error within store_wait (0.5 s); the writer stops",
+                f"close() answered after {took:.2f} s; the writer stopped "
+                f"{stopped:.2f} s after close() began")
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
 def test_a_stall_costs_the_engine_one_store_wait_not_one_per_call(writer, layout,
                                                                   reliability):
     """Redis stalls under a running engine: the step whose batch finds the writer full
@@ -629,18 +674,23 @@ def test_a_stall_costs_the_engine_one_store_wait_not_one_per_call(writer, layout
                 f"{closing:.3f} s")
 
 
+@pytest.mark.parametrize("fault", ["stall", "restart"])
 @pytest.mark.parametrize("writer", ["thread", "process"])
-def test_a_refused_step_is_retried_whole_once_redis_is_back(writer, layout, reliability):
-    """Redis stalls until a store call is refused (new blocks, or the pins of their keys);
-    it comes back and the engine goes on. The next calls carry what was refused, once:
-    every request receives its exact rows, Redis holds each block it received with its
-    rows and one hold of this owner (the local tier one pin), and nothing once they end."""
+def test_a_refused_step_is_retried_whole_once_redis_is_back(writer, fault, layout, tmp_path,
+                                                            reliability):
+    """Redis stalls (SIGSTOP), or is killed and restarted from its AOF 3 s later (longer
+    than the client's retries last), until a store call is refused (new blocks, or the
+    pins of their keys); it comes back and the engine goes on. The writer writes its
+    refused batch again, and the next calls carry what was refused, once: every request
+    receives its exact rows, Redis holds each block it received with its rows and one
+    hold of this owner (the local tier one pin), and nothing once they end."""
     import hashlib
 
     from r3cache import StepBatch, StepMetadata, WorkerConnector
     from r3cache.errors import StoreUnavailableError
     from r3cache.sim import oracle_rows
     from r3cache.store.redis.janitor import holders
+    from tests.conftest import wait_for
 
     bs, steps = layout.block_size, 50_000
     requests = ["a", "b"]
@@ -648,13 +698,38 @@ def test_a_refused_step_is_retried_whole_once_redis_is_back(writer, layout, reli
     keys: dict[str, list[str]] = {r: [] for r in requests}
     received: dict[str, list] = {r: [] for r in requests}
     refused: list[int] = []
-    with RedisServer() as server:
+    # Every write on disk before Redis acknowledges it: a restart loses none.
+    with RedisServer(*(("--appendonly", "yes", "--appendfsync", "always")
+                       if fault == "restart" else ()), directory=tmp_path) as server:
+        port = server.port
         store = open_store(server.url, layout=layout, namespace=f"refused-{writer}",
-                           idle_ttl=120)
+                           idle_ttl=120, retries=1)
         worker = WorkerConnector(layout=layout, store=store, writer=writer, max_num_seqs=2,
                                  store_wait=0.5)
         remote = worker.store.remote
         owner = getattr(remote, "owner", None) or remote.inner.owner
+
+        def stop() -> None:
+            if fault == "stall":
+                server.process.send_signal(signal.SIGSTOP)
+            else:
+                server.kill()
+
+        def resume() -> None:
+            if fault == "stall":
+                server.process.send_signal(signal.SIGCONT)
+            elif server.process is None:
+                time.sleep(3)
+                server.port = port
+                server.start()
+
+        def written() -> bool:
+            """Whether the writer has written every earlier put."""
+            try:
+                worker.store.flush()
+            except StoreUnavailableError:
+                return False
+            return True
 
         def call(n: int, method, *args):
             """The engine goes on past a refused call (its effects on the worker stand)."""
@@ -662,7 +737,7 @@ def test_a_refused_step_is_retried_whole_once_redis_is_back(writer, layout, reli
                 return method(*args)
             except StoreUnavailableError:
                 refused.append(n)
-                server.process.send_signal(signal.SIGCONT)
+                resume()
                 return None
 
         def step(n: int) -> None:  # each request runs one whole block, keyed at once
@@ -680,15 +755,15 @@ def test_a_refused_step_is_retried_whole_once_redis_is_back(writer, layout, reli
 
         step(0)
         worker.store.flush()
-        server.process.send_signal(signal.SIGSTOP)
+        stop()
         try:
             n = 1
             while not refused:  # until the writer's queue (or socket) is full
                 step(n)
                 n += 1
         finally:
-            server.process.send_signal(signal.SIGCONT)
-        time.sleep(0.6)  # the writer moves again
+            resume()
+        wait_for(written, 10, "the writer to write again")
         for _ in range(3):
             step(n)
             n += 1
@@ -711,8 +786,10 @@ def test_a_refused_step_is_retried_whole_once_redis_is_back(writer, layout, reli
         assert owner not in holders(probe)
         probe.close()
         worker.close()
-    reliability(f"Redis stalled (SIGSTOP) until a store call is refused, then back; "
-                f"{writer} writer", f"2 requests, a new keyed block each a step, {n + 1} "
+    reliability(("Redis stalled (SIGSTOP)" if fault == "stall" else
+                 "Redis killed (SIGKILL) and restarted from its AOF 3 s later")
+                + f" until a store call is refused, then back; {writer} writer",
+                f"2 requests, a new keyed block each a step, {n + 1} "
                 "steps", "the engine goes on: exact rows online, every block in Redis with "
                 "one hold (one local pin), none after the requests end",
                 f"{len(refused)} call(s) refused at step {refused[0]}; "

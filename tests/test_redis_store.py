@@ -411,6 +411,35 @@ def test_the_samples_of_one_prompt_hold_its_blocks_once_per_manifest(store):
         assert store.client_for(block).pttl(block) > 0
 
 
+def test_a_refused_put_retried_records_its_manifest_once(store, monkeypatch, caplog):
+    """A put whose last round (the engine's releases, after the manifest) is refused, then
+    retried as a writer does: the manifest holds its blocks once and the engine's holds go,
+    with no warning that the request was recorded again; recording it again later is one."""
+    blocks = {f"k{i}": blk(i) for i in range(3)}
+    manifest = Manifest("req", LAYOUT.fingerprint, Completion(0, 13),
+                        [BlockRef(k, 0, 4) for k in blocks])
+    write = store._write
+
+    def refused_releases(objects, retain_keys, release_keys, journal):
+        if release_keys:
+            monkeypatch.setattr(store, "_write", write)  # once
+            raise StoreUnavailableError("injected: the releases' round was refused")
+        return write(objects, retain_keys, release_keys, journal)
+
+    monkeypatch.setattr(store, "_write", refused_releases)
+    with pytest.raises(StoreUnavailableError):
+        store.put(blocks, [*blocks], [*blocks], [manifest])
+    with caplog.at_level("WARNING", logger="r3cache.store"):
+        store.put(blocks, [*blocks], [*blocks], [manifest])
+    assert "recorded again" not in caplog.text
+    for key in blocks:
+        refs = store.keys.refs(key)
+        assert store.client_for(refs).hgetall(refs) == {b"m:req": b"1"}
+    with caplog.at_level("WARNING", logger="r3cache.store"):
+        store.put({}, manifests=[manifest])
+    assert "1 request id(s) recorded again" in caplog.text
+
+
 def test_close_drops_every_hold_and_leaves_no_owner_behind(url, namespace):
     s = open_store(url, layout=LAYOUT, namespace=namespace, owner="tidy")
     s.put({"a": blk(1), "b": blk(2)}, retain_keys=["a", "a", "b"])

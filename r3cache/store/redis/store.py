@@ -163,6 +163,9 @@ class RedisBlockStore:
         # Keys a failed put may have left held in Redis though _holds, rolled back so that
         # the caller's retry counts once, does not count them: close() drops these too.
         self._uncertain: set[str] = set()
+        # Request ids of manifests a failed put may have recorded: its retry records them
+        # again, which replaces nothing a caller recorded before.
+        self._retried: set[str] = set()
         self._hold_lock = threading.RLock()
         self._closed = False
         self.reopen_args: tuple[str, dict] | None = None  # set by open_redis_store
@@ -215,9 +218,12 @@ class RedisBlockStore:
                 for key, count in journal.items():
                     self._set_hold(key, count)
                 self._uncertain.update(journal)
+                self._retried.update(m.request_id for m in manifests)
                 raise
             if self._uncertain:  # the keys this put set are as _holds counts them again
                 self._uncertain.difference_update(journal)
+            if self._retried:
+                self._retried.difference_update(m.request_id for m in manifests)
 
     def _variant(self, keys: Collection[str]) -> list[str]:
         """``keys`` with this writer's variant in place of each key it lost a conflict on."""
@@ -307,11 +313,13 @@ class RedisBlockStore:
         names = [self.keys.manifest(m.request_id) for m in records]
         replaced = [m.request_id for m, n in
                     zip(records, self.per_key(names, lambda k: ("EXISTS", k))) if n]
-        if replaced:
-            self._counts["manifests_replaced"] += len(replaced)
+        again = [r for r in replaced if r not in self._retried]  # not a failed put's own
+        if again:
+            self._counts["manifests_replaced"] += len(again)
             log.warning("namespace %r: %d request id(s) recorded again; their earlier "
-                        "manifests were released: %s", self.namespace, len(replaced),
-                        ", ".join(map(repr, replaced[:8])))
+                        "manifests were released: %s", self.namespace, len(again),
+                        ", ".join(map(repr, again[:8])))
+        if replaced:
             release_manifests(self, replaced)
         # Each block once, with the owners taking a hold on it: the samples of one prompt
         # hold the same blocks, and a group of the round then covers all their holds.

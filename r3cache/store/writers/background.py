@@ -16,7 +16,12 @@ from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import BlockStore, StoreStats, check_put
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.writers import check_policy
-from r3cache.store.writers.bounded import BoundedCalls, Stall, wait_while_progressing
+from r3cache.store.writers.bounded import (
+    BoundedCalls,
+    Stall,
+    put_until_written,
+    wait_while_progressing,
+)
 
 DEFAULT_MAX_PENDING = 512
 _STOP = object()
@@ -32,8 +37,11 @@ class BackgroundBlockStore:
     on a dead store), and until the writer takes a batch again later puts wait only
     ``Stall.PUT_GRACE`` (one stall costs one wait). Operations are
     applied in order, so a read after a ``put`` sees it: reads drain the queue
-    first. The first failure is sticky: every later call raises WriterError whose
-    ``__cause__`` is the original error, and nothing after it is applied.
+    first. A batch the store refuses as unavailable is dropped under
+    ``on_unavailable="incomplete"``; under ``"raise"`` it is written again until the
+    store answers (or a close gave up on the writer), and the writer goes on from there.
+    Any other failure is sticky: every later call raises WriterError whose ``__cause__``
+    is the original error, and nothing after it is applied.
     """
 
     def __init__(self, inner: BlockStore, max_pending: int = DEFAULT_MAX_PENDING,
@@ -51,6 +59,7 @@ class BackgroundBlockStore:
         self._error: BaseException | None = None
         self._close_error: BaseException | None = None  # from the inner store's close
         self._closed = False
+        self._abandoned = False  # a close gave up waiting: nobody waits for the writes
         self._taken = 0  # batches the writer has taken: its progress
         self._stall = Stall(lambda: self._taken)
         self._thread = threading.Thread(
@@ -185,6 +194,7 @@ class BackgroundBlockStore:
         except queue.Full:  # the writer took nothing for max_wait; it stops once it
             stop, stalled = 0, True  # finds the queue empty
         if stalled:
+            self._abandoned = True
             # Its stop, when queued, is the last unfinished task (0 once it was taken).
             pending = max(self._queue.unfinished_tasks - stop, 0)
             message = (f"namespace {self.namespace!r}: the writer made no progress for "
@@ -214,7 +224,10 @@ class BackgroundBlockStore:
                 try:
                     if item is _STOP:
                         return
-                    if self._error is None:
+                    if self._error is None and self.on_unavailable == "raise":
+                        put_until_written(self.inner, item, lambda: self._abandoned,
+                                          self._retrying)
+                    elif self._error is None:
                         self.inner.put(*item)
                 except StoreUnavailableError as exc:
                     if self.on_unavailable == "incomplete":
@@ -231,6 +244,10 @@ class BackgroundBlockStore:
                 self.inner.close()
             except BaseException as exc:  # noqa: BLE001 - re-raised by close()
                 self._close_error = exc
+
+    def _retrying(self, exc: StoreUnavailableError) -> None:
+        log.warning("namespace %r: the store refused a batch as unavailable; the writer "
+                    "writes it again until the store answers: %s", self.namespace, exc)
 
     def _check(self) -> None:
         if self._closed:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import pickle
 import queue
+import select
 import socket
 import struct
 import subprocess
@@ -24,9 +26,10 @@ from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import StoreStats
-from r3cache.store.writers.bounded import BoundedCalls, Stall
+from r3cache.store.writers.bounded import BoundedCalls, Stall, put_until_written
 from r3cache.store.writers.ring import DEFAULT_RING_BYTES, BlockRing
 
+log = logging.getLogger("r3cache.store")
 _POLL = 0.5  # seconds between the helper's checks that the engine process still lives
 _NICE = 10  # the helper's niceness above the engine's
 _CHECK_EVERY = 0.05  # seconds between put()'s looks at the helper's replies and liveness
@@ -109,7 +112,11 @@ def _serve(connection: Connection) -> None:
             _, objects, retain, release, manifests, upto = message
             if not failed:
                 try:
-                    store.put(objects, retain, release, manifests)
+                    put_until_written(store, (objects, retain, release, manifests),
+                                      lambda: _engine_gone(connection, parent),
+                                      lambda exc: _tell(connection, ("retrying", str(exc))))
+                except StoreUnavailableError:
+                    return  # the engine hung up or died: its holds expire with the lease
                 except Exception as exc:  # noqa: BLE001 - sticky, reported once
                     failed = True
                     connection.send(("error", type(exc).__name__, str(exc)))
@@ -138,6 +145,22 @@ def _serve(connection: Connection) -> None:
             with contextlib.suppress(OSError):  # the engine gave up waiting and hung up
                 connection.send(("closed",))
             return
+
+
+def _engine_gone(connection: Connection, parent: int) -> bool:
+    """Whether the engine died, or hung up on this helper (a close that gave up waiting
+    shuts the socket down): nobody waits for this helper's writes any more. Messages
+    still unread do not hide a hang-up."""
+    if os.getppid() != parent:
+        return True
+    poller = select.poll()
+    poller.register(connection.fileno(), select.POLLRDHUP)
+    return bool(poller.poll(0))
+
+
+def _tell(connection: Connection, message: tuple) -> None:
+    with contextlib.suppress(OSError):  # the engine hung up: _engine_gone tells next
+        connection.send(message)
 
 
 def _gather(connection: Connection, first: tuple,
@@ -190,8 +213,10 @@ class ProcessWriter:
     otherwise through a feeder thread and a bounded queue. The helper reads the rows in
     place, encodes, writes and keeps the holds as its own owner (its lease dies with
     it). If the queue or the ring stays full for ``max_wait`` seconds (Redis down or
-    stalled), ``put`` raises StoreUnavailableError instead of stalling the engine. The
-    first failure in the helper is sticky: every later call raises WriterError.
+    stalled), ``put`` raises StoreUnavailableError instead of stalling the engine. A put
+    Redis refuses as unavailable the helper writes again until Redis answers (or the
+    engine hangs up); any other failure in the helper is sticky: every later call raises
+    WriterError.
     """
 
     def __init__(self, url: str, layout: RoutingLayout, namespace: str, options: dict,
@@ -480,6 +505,10 @@ class ProcessWriter:
             self.reader.add_variants(reply[1])
         elif reply[0] == "counts":
             self._write_counts = reply[1]
+        elif reply[0] == "retrying":
+            log.warning("namespace %r: Redis refused a batch as unavailable; the writer "
+                        "process writes it again until Redis answers: %s", self.namespace,
+                        reply[1])
         elif reply[0] == "error":
             self._error = (f"background writer for namespace {self.namespace!r} failed: "
                            f"{reply[1]}: {reply[2]}")
