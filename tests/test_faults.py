@@ -96,6 +96,82 @@ def test_memory_pressure_evicts_only_idle_blocks_and_refuses_when_pinned(tmp_pat
         store.close()
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_redis_full_of_unread_manifests_takes_writes_again_once_a_trainer_reads_them(
+        writer, caplog, reliability):
+    """Trainers fall behind: manifests they have not read fill maxmemory, and Redis
+    refuses the engine's next batch. The engine goes on (its calls refused, typed, once
+    the writer is behind), and once the trainer releases what it read, the writer writes
+    the refused batch and the engine's carried calls: every request from the refused one
+    on reads back identical."""
+    import hashlib
+
+    from r3cache import StepBatch, StepMetadata, WorkerConnector
+    from r3cache.errors import StoreUnavailableError
+    from r3cache.sim import oracle_rows
+    from tests.conftest import wait_for
+
+    layout = RoutingLayout(48, 8, 128, 16)  # 6 KiB blocks
+    bs, blocks = layout.block_size, 8
+    oracle = oracle_rows(list(range(blocks * bs)), layout)
+    refused = []
+
+    def request(worker, n: int) -> None:
+        """Request n: 8 new whole blocks in one step, then it finishes with a manifest."""
+        r = f"r{n}"
+        hashes = {r: [hashlib.sha256(f"{n}/{b}".encode()).digest() for b in range(blocks)]}
+        for call in (lambda: worker.begin_step(StepMetadata(0, {r: 0}, hashes, ())),
+                     lambda: worker.prepare_output(StepBatch(
+                         [r], np.array([0]), np.array([0, blocks * bs])), oracle),
+                     lambda: worker.begin_step(StepMetadata(0, {}, {}, [r],
+                                                            {r: (0, blocks * bs + 1)}))):
+            try:
+                pending = call()
+                if pending is not None:
+                    pending.enqueue_cpu_copy([1], [0])
+                    pending.process_output()
+            except StoreUnavailableError:
+                refused.append(n)
+
+    # Room for the batches a writer holds when it first meets the full Redis, once the
+    # trainer has released what it read (the helper's ring holds 64 MiB).
+    with RedisServer("--maxmemory", "32mb", "--maxmemory-policy", "volatile-lru") as server:
+        store = open_store(server.url, layout=layout, namespace=f"full-{writer}")
+        worker = WorkerConnector(layout=layout, store=store, writer=writer, max_num_seqs=2,
+                                 store_wait=0.5)
+        n = 0
+        with caplog.at_level("WARNING", logger="r3cache.store"):
+            while "refused a batch" not in caplog.text and not refused:
+                request(worker, n)
+                n += 1
+        first = n - 1  # its batch (or a later one, written before it) was refused
+        assert server.client().info("errorstats")["errorstat_OOM"]["count"] > 0
+        with R3Reader(server.url, namespace=f"full-{writer}") as trainer:
+            read = trainer.release(*(f"r{j}" for j in range(first)))
+            for j in range(n, n + 10):
+                request(worker, j)
+
+            def written() -> bool:
+                try:
+                    worker.store.flush()
+                except StoreUnavailableError:
+                    return False
+                return True
+
+            wait_for(written, 15, "the writer to write the refused batches")
+            ids = [f"r{j}" for j in range(first, n + 10)]
+            for rows in trainer.get_many(ids):
+                np.testing.assert_array_equal(rows, oracle)
+        worker.close()
+    reliability(f"maxmemory 32 MB filled by unread manifests, {writer} writer; the trainer "
+                "then reads and releases them", f"requests of {blocks} blocks",
+                "Redis refuses (StoreFullError) and the writer writes again once memory "
+                "frees; every later request reads back identical",
+                f"refused at request {first}; {read} manifests released; {len(ids)}/"
+                f"{len(ids)} later requests identical; {len(refused)} engine call(s) "
+                "refused")
+
+
 def test_publication_survives_a_primary_killed_mid_run(reliability):
     from r3cache.testing import RedisClusterProcesses
 

@@ -10,16 +10,18 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from r3cache.errors import StoreClosedError, StoreUnavailableError, WriterError
+from r3cache.errors import StoreClosedError, StoreError, StoreUnavailableError, WriterError
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import BlockStore, StoreStats, check_put
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.writers import check_policy
 from r3cache.store.writers.bounded import (
+    REFUSALS,
     BoundedCalls,
     Stall,
     put_until_written,
+    refused_message,
     wait_while_progressing,
 )
 
@@ -37,9 +39,9 @@ class BackgroundBlockStore:
     on a dead store), and until the writer takes a batch again later puts wait only
     ``Stall.PUT_GRACE`` (one stall costs one wait). Operations are
     applied in order, so a read after a ``put`` sees it: reads drain the queue
-    first. A batch the store refuses as unavailable is dropped under
-    ``on_unavailable="incomplete"``; under ``"raise"`` it is written again until the
-    store answers (or a close gave up on the writer), and the writer goes on from there.
+    first. A batch the store refuses (unavailable, or a full Redis: ``REFUSALS``) is
+    dropped under ``on_unavailable="incomplete"``; under ``"raise"`` it is written again
+    until the store takes it (or a close gave up on the writer), and the writer goes on.
     Any other failure is sticky: every later call raises WriterError whose ``__cause__``
     is the original error, and nothing after it is applied.
     """
@@ -50,7 +52,7 @@ class BackgroundBlockStore:
         self.inner = inner
         self.max_wait = max_wait
         self.on_unavailable = on_unavailable
-        self.dropped_batches = 0  # batches lost to an unavailable store ("incomplete")
+        self.dropped_batches = 0  # batches the store refused, lost ("incomplete")
         self.waits = Timings(WAIT_BUCKETS)  # puts that found the queue full
         self.layout = inner.layout
         self.namespace = inner.namespace
@@ -60,6 +62,11 @@ class BackgroundBlockStore:
         self._close_error: BaseException | None = None  # from the inner store's close
         self._closed = False
         self._abandoned = False  # a close gave up waiting: nobody waits for the writes
+        self._refusal: str | None = None  # why the store refuses the batch being repeated
+        # The embedded store frees memory only through this writer's later batches (no
+        # trainer or expiry frees any): full, it stays full, and its failure is final.
+        self._refusals = ((StoreUnavailableError,) if type(inner) is MemoryBlockStore
+                          else REFUSALS)
         self._taken = 0  # batches the writer has taken: its progress
         self._stall = Stall(lambda: self._taken)
         self._thread = threading.Thread(
@@ -100,10 +107,8 @@ class BackgroundBlockStore:
                     # with ManifestNotFoundError or BlockNotFoundError, never wrong rows.
                     self.dropped_batches += 1
                     return
-                raise StoreUnavailableError(
-                    f"namespace {self.namespace!r}: the writer has not taken a batch for "
-                    f"{self.max_wait:g} s (store down or stalled?); this batch was not written"
-                ) from None
+                raise StoreUnavailableError(refused_message(self.namespace, self.max_wait,
+                                                            self._refusal)) from None
             finally:
                 self.waits.observe(time.monotonic() - began)
 
@@ -226,10 +231,11 @@ class BackgroundBlockStore:
                         return
                     if self._error is None and self.on_unavailable == "raise":
                         put_until_written(self.inner, item, lambda: self._abandoned,
-                                          self._retrying)
+                                          self._retrying, self._refusals)
+                        self._refusal = None
                     elif self._error is None:
                         self.inner.put(*item)
-                except StoreUnavailableError as exc:
+                except self._refusals as exc:
                     if self.on_unavailable == "incomplete":
                         self.dropped_batches += 1  # this batch is lost; the next may succeed
                     else:
@@ -245,9 +251,10 @@ class BackgroundBlockStore:
             except BaseException as exc:  # noqa: BLE001 - re-raised by close()
                 self._close_error = exc
 
-    def _retrying(self, exc: StoreUnavailableError) -> None:
-        log.warning("namespace %r: the store refused a batch as unavailable; the writer "
-                    "writes it again until the store answers: %s", self.namespace, exc)
+    def _retrying(self, exc: StoreError) -> None:
+        self._refusal = f"{type(exc).__name__}: {exc}"
+        log.warning("namespace %r: the store refused a batch; the writer writes it again "
+                    "until the store takes it: %s", self.namespace, self._refusal)
 
     def _check(self) -> None:
         if self._closed:

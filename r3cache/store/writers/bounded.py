@@ -1,7 +1,7 @@
 """Bounded waits on writers: store calls made on a helper thread (BoundedCalls), so the engine
 waits at most a deadline; waits on a draining writer that give up once it stalls; the
 memory of a stall (Stall), so one stalled writer costs the engine one wait, not one a call;
-and a writer's puts repeated while the store is unavailable (put_until_written)."""
+and a writer's puts repeated while the store refuses them (put_until_written)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from r3cache.errors import StoreUnavailableError
+from r3cache.errors import StoreError, StoreFullError, StoreUnavailableError
 
 
 class BoundedCalls:
@@ -60,36 +60,49 @@ def wait_while_progressing(thread: threading.Thread, progress: Callable[[], Any]
     return True
 
 
-# Seconds a writer waits before repeating a put the store refused as unavailable: the
-# first wait, doubled after each refusal up to the last.
+# Seconds a writer waits before repeating a put the store refused: the first wait,
+# doubled after each refusal up to the last.
 RETRY_FIRST, RETRY_MAX = 0.05, 1.0
+# What a store refuses for a while and then takes again: Redis down, restarting, failing
+# over or resharding past the client's retries; Redis full of held blocks until trainers
+# release manifests, or idle blocks expire.
+REFUSALS = (StoreUnavailableError, StoreFullError)
 
 
 def put_until_written(store: Any, put: tuple, gone: Callable[[], bool],
-                      retrying: Callable[[StoreUnavailableError], None]) -> None:
-    """``store.put(*put)``, repeated while the store refuses it as unavailable (Redis
-    restarting, a failover or reshard outlasting the client's retries) until it goes
-    through; the last refusal is raised once ``gone()`` says nobody waits for the writes
-    any more. ``retrying`` hears of the first refusal.
+                      retrying: Callable[[StoreError], None],
+                      refusals: tuple[type[StoreError], ...] = REFUSALS) -> None:
+    """``store.put(*put)``, repeated while the store refuses it (``refusals``) until it
+    goes through; the last refusal is raised once ``gone()`` says nobody waits for the
+    writes any more. ``retrying`` hears of the first refusal.
 
     Repeating a refused put is exact: blocks are immutable (first writer wins), a Redis
     store sets each hold to the count its owner keeps (it does not add to it) and takes a
     refused put's pins back from that count, and a manifest recorded again replaces
     itself. Meanwhile the writer takes nothing new, so the engine's waits on it run out
-    after ``store_wait`` and its refused calls carry their effects to the next ones.
+    after ``store_wait`` and its refused calls carry their effects to the next ones. (A
+    store filled by this engine's own pins stays full: their releases wait behind.)
     """
     delay = RETRY_FIRST
     while True:
         try:
             store.put(*put)
             return
-        except StoreUnavailableError as exc:
+        except refusals as exc:
             if gone():
                 raise
             if delay == RETRY_FIRST:
                 retrying(exc)
             time.sleep(delay)
             delay = min(2 * delay, RETRY_MAX)
+
+
+def refused_message(namespace: str, wait: float, refusal: str | None) -> str:
+    """What an engine's put says when the writer took nothing for ``wait`` seconds;
+    ``refusal``: why the store refuses the batch the writer repeats, if it said."""
+    return (f"namespace {namespace!r}: the writer has not taken a batch for {wait:g} s ("
+            + (f"the store refuses: {refusal}" if refusal else "store down or stalled?")
+            + "); this batch was not written")
 
 
 class Stall:

@@ -26,7 +26,13 @@ from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import StoreStats
-from r3cache.store.writers.bounded import BoundedCalls, Stall, put_until_written
+from r3cache.store.writers.bounded import (
+    REFUSALS,
+    BoundedCalls,
+    Stall,
+    put_until_written,
+    refused_message,
+)
 from r3cache.store.writers.ring import DEFAULT_RING_BYTES, BlockRing
 
 log = logging.getLogger("r3cache.store")
@@ -114,8 +120,9 @@ def _serve(connection: Connection) -> None:
                 try:
                     put_until_written(store, (objects, retain, release, manifests),
                                       lambda: _engine_gone(connection, parent),
-                                      lambda exc: _tell(connection, ("retrying", str(exc))))
-                except StoreUnavailableError:
+                                      lambda exc: _tell(connection, (
+                                          "refused", f"{type(exc).__name__}: {exc}")))
+                except REFUSALS:
                     return  # the engine hung up or died: its holds expire with the lease
                 except Exception as exc:  # noqa: BLE001 - sticky, reported once
                     failed = True
@@ -214,9 +221,9 @@ class ProcessWriter:
     place, encodes, writes and keeps the holds as its own owner (its lease dies with
     it). If the queue or the ring stays full for ``max_wait`` seconds (Redis down or
     stalled), ``put`` raises StoreUnavailableError instead of stalling the engine. A put
-    Redis refuses as unavailable the helper writes again until Redis answers (or the
-    engine hangs up); any other failure in the helper is sticky: every later call raises
-    WriterError.
+    Redis refuses (unavailable, or full: ``REFUSALS``) the helper writes again until
+    Redis takes it (or the engine hangs up); any other failure in the helper is sticky:
+    every later call raises WriterError.
     """
 
     def __init__(self, url: str, layout: RoutingLayout, namespace: str, options: dict,
@@ -244,6 +251,7 @@ class ProcessWriter:
         # of its last report: the read handle here writes nothing.
         self._write_counts: dict[str, int] = {}
         self._error: str | None = None
+        self._refusal: str | None = None  # why Redis refuses the put the helper repeats
         self._closed = False
         self._flushes = 0
         self._next_check = 0.0
@@ -374,9 +382,8 @@ class ProcessWriter:
 
     def _unavailable(self) -> None:
         self._stall.gave_up()
-        raise StoreUnavailableError(
-            f"namespace {self.namespace!r}: the writer has not taken a batch for "
-            f"{self.max_wait:g} s (Redis down or stalled?); this batch was not written")
+        raise StoreUnavailableError(refused_message(self.namespace, self.max_wait,
+                                                    self._refusal))
 
     def flush(self, deadline: float | None = None) -> None:
         """Return once the helper applied every earlier put (or raise its error), waiting
@@ -499,16 +506,17 @@ class ProcessWriter:
                               f"(code {self._process.poll()})") from None
         if reply[0] == "freed":
             self._ring.freed(reply[1])
+            self._refusal = None  # the helper wrote a put: what it repeated went through
             if reply[2] is not None:
                 self._write_counts = reply[2]
         elif reply[0] == "variants":
             self.reader.add_variants(reply[1])
         elif reply[0] == "counts":
             self._write_counts = reply[1]
-        elif reply[0] == "retrying":
-            log.warning("namespace %r: Redis refused a batch as unavailable; the writer "
-                        "process writes it again until Redis answers: %s", self.namespace,
-                        reply[1])
+        elif reply[0] == "refused":
+            self._refusal = reply[1]
+            log.warning("namespace %r: Redis refused a batch; the writer process writes it "
+                        "again until Redis takes it: %s", self.namespace, reply[1])
         elif reply[0] == "error":
             self._error = (f"background writer for namespace {self.namespace!r} failed: "
                            f"{reply[1]}: {reply[2]}")
