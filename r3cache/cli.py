@@ -210,15 +210,15 @@ def _block_parser(sub: argparse._SubParsersAction) -> None:
 def _run_block(args: argparse.Namespace) -> int:
     from r3cache.codec import read_header
     from r3cache.store.redis.connect import open_redis_store
+    from r3cache.store.redis.nodes import hash_reply
 
     store = open_redis_store(args.url, layout=None, namespace=args.namespace,
                              lease=False, janitor=False)
     try:
-        key = store.keys.block(args.block_hash)
-        client = store.client_for(key)
-        value = client.get(key)
-        holders = client.hgetall(store.keys.refs(args.block_hash))
-        ttl = client.pttl(key)
+        key, refs = store.keys.block(args.block_hash), store.keys.refs(args.block_hash)
+        value = store.call(key, "GET", key)
+        holders = hash_reply(store.call(refs, "HGETALL", refs))
+        ttl = store.call(key, "PTTL", key)
         if value is None:
             print(f"no block {args.block_hash} in namespace {args.namespace!r}")
             return 1
@@ -302,7 +302,7 @@ def _read_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _recorded(reader) -> list[str]:
     index = reader.store.keys.manifest_index
-    return [r.decode() for r in reader.store.client_for(index).zrange(index, 0, -1)]
+    return [r.decode() for r in reader.store.call(index, "ZRANGE", index, 0, -1)]
 
 
 def _run_inspect(args: argparse.Namespace) -> int:

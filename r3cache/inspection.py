@@ -44,7 +44,7 @@ def look(url: str, namespace: str) -> NamespaceView:
     try:
         stats = store.stats()
         owners = owner_liveness(store)
-        unreadable = store.client_for(store.keys.unreadable).hkeys(store.keys.unreadable)
+        unreadable = store.call(store.keys.unreadable, "HKEYS", store.keys.unreadable)
     finally:
         store.close()
     return NamespaceView(

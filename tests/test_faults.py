@@ -410,6 +410,55 @@ def test_a_slot_stuck_migrating_is_unavailable_after_the_wait_and_the_retry_exac
                 "after the retry")
 
 
+def test_inspecting_a_namespace_while_its_slot_moves_waits_for_the_move(reliability):
+    """`r3cache inspect` (inspection.look) and `r3cache ls` (list_namespaces) while the slot
+    of a namespace's own keys migrates to another primary: a key not yet there is
+    answered with ASK, which is retried until the slot has moved, not an error."""
+    from r3cache.inspection import look
+    from r3cache.store.redis.connect import list_namespaces
+    from r3cache.testing import RedisClusterProcesses
+
+    with RedisClusterProcesses() as cluster:
+        store = open_store(cluster.url, layout=LAYOUT, namespace="moving")
+        store.put({"k": np.zeros(LAYOUT.block_shape, LAYOUT.dtype)}, ["k"])
+        # The namespace's keys (owners, metadata, the unreadable list) share one slot.
+        tagged = store.keys.unreadable
+        slot = int(store.call(tagged, "CLUSTER", "KEYSLOT", tagged))
+        port = store.client_for(tagged).get_connection_kwargs()["port"]
+        source = next(n for n in cluster.primaries() if n.port == port)
+        target = next(n for n in cluster.primaries() if n is not source)
+        ids = {n.port: n.client().execute_command("CLUSTER", "MYID").decode()
+               for n in (source, target)}
+        target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING",
+                                        ids[source.port])
+        source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING",
+                                        ids[target.port])
+
+        def finish_the_move() -> None:
+            time.sleep(1.0)
+            client = source.client()
+            names = client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+            client.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000,
+                                   "KEYS", *names)
+            for node in cluster.primaries():
+                node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE",
+                                              ids[target.port])
+
+        mover = threading.Thread(target=finish_the_move)
+        mover.start()
+        began = time.monotonic()
+        view = look(cluster.url, "moving")
+        took = time.monotonic() - began
+        mover.join()
+        assert view.live_owners == [store.owner] and view.unreadable == []
+        assert view.stats.blocks == 1
+        assert "moving" in list_namespaces(cluster.url)
+        store.close()
+    reliability("6-node cluster: the slot of a namespace's own keys migrating (1 s)",
+                "r3cache inspect of that namespace", "the look waits for the move (ASK "
+                "retried), then shows the namespace", f"answered after {took:.2f} s")
+
+
 def test_namespace_keys_follow_a_failover_from_a_store_opened_before_it():
     """Single-key commands on the namespace's own keys (the manifest index, the owner
     registry, a refs hash) go through the same retry as batches: a store that learned

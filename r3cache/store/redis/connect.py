@@ -18,7 +18,7 @@ from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
 from r3cache.store.redis.errors import redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, check_name
-from r3cache.store.redis.nodes import ClusterNodes, SingleNode
+from r3cache.store.redis.nodes import ClusterNodes, SingleNode, command
 from r3cache.store.redis.store import RedisBlockStore, RedisOptions, missing_namespace
 
 
@@ -152,7 +152,8 @@ def open_redis_store(url: str, *, layout: RoutingLayout | None, namespace: str,
     nodes, store_options, display = connect(url, namespace, options)
     try:
         if layout is None:
-            layout = _stored_layout(nodes, KeySchema(namespace), display)
+            layout = _stored_layout(nodes, KeySchema(namespace), display,
+                                    store_options.retries)
         store = RedisBlockStore(nodes, layout, namespace, store_options, display)
         # To open the same namespace again in a helper process; holds credentials,
         # so it never appears in repr or errors.
@@ -163,9 +164,10 @@ def open_redis_store(url: str, *, layout: RoutingLayout | None, namespace: str,
         raise
 
 
-def _stored_layout(nodes, keys: KeySchema, display: str) -> RoutingLayout:
+def _stored_layout(nodes, keys: KeySchema, display: str, retries: int) -> RoutingLayout:
     with redis_errors(keys.namespace, "reading the namespace metadata"):
-        fingerprint = nodes.client_for(keys.meta).hget(keys.meta, "fingerprint")
+        fingerprint = command(nodes, keys.meta, "HGET", keys.meta, "fingerprint",
+                              retries=retries)
         if fingerprint is None:
             raise missing_namespace(nodes, display, keys)
     return RoutingLayout.from_fingerprint(fingerprint.decode())
@@ -173,10 +175,11 @@ def _stored_layout(nodes, keys: KeySchema, display: str) -> RoutingLayout:
 
 def list_namespaces(url: str) -> list[str]:
     """Every namespace ever opened on the server(s) at ``url``."""
-    nodes, _, _ = connect(url, None, {})
+    nodes, store_options, _ = connect(url, None, {})
     try:
         with redis_errors(None, "listing namespaces"):
-            members = nodes.client_for(NAMESPACES_KEY).smembers(NAMESPACES_KEY)
+            members = command(nodes, NAMESPACES_KEY, "SMEMBERS", NAMESPACES_KEY,
+                              retries=store_options.retries)
             return sorted(n.decode() for n in members)
     finally:
         nodes.close()

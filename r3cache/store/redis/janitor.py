@@ -17,6 +17,7 @@ import redis
 
 from r3cache.errors import CorruptBlockError, LayoutMismatchError
 from r3cache.store.redis.keys import MANIFEST_OWNER_PREFIX, manifest_owner
+from r3cache.store.redis.nodes import hash_reply
 from r3cache.store.redis.scripts import FORGET_SCRIPT, RECLAIM_SCRIPT, SWEEP_SCRIPT
 
 log = logging.getLogger("r3cache.store")
@@ -58,10 +59,9 @@ def owner_liveness(store) -> dict[str, bool]:
     Compared with the server's clock where the ACL user may read it, else this host's.
     """
     owners = store.keys.owners
-    client = store.client_for(owners)
-    entries = client.hgetall(owners)
+    entries = hash_reply(store.call(owners, "HGETALL", owners))
     try:
-        seconds, micros = client.time()
+        seconds, micros = store.client_for(owners).time()
         now = seconds * 1000 + micros // 1000
     except redis.exceptions.NoPermissionError:
         now = int(time.time() * 1000)

@@ -299,6 +299,18 @@ def execute(
         attempt += 1
 
 
+def hash_reply(reply) -> dict:
+    """HGETALL's reply as a dict, whether the parser gave a dict or a flat list."""
+    return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
+
+
+def command(nodes: SingleNode | ClusterNodes, key: bytes, *args: Any, retries: int) -> Any:
+    """One command (no script) on the node serving ``key``, retried as ``execute`` retries
+    a round: across a failover, a moved slot or a dropped connection. Its raw reply."""
+    for _, replies in execute(nodes, [key], lambda _: [args], scripts={}, retries=retries):
+        return replies[0]
+
+
 def _reload_scripts(client, commands, replies: list[Any], scripts: dict[str, Any]) -> None:
     """Re-run commands whose script the node lost (NOSCRIPT); raise any other error reply."""
     for n, reply in enumerate(replies):

@@ -39,7 +39,7 @@ from r3cache.store.base import (
 )
 from r3cache.store.redis.errors import redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, KeySchema, check_name, manifest_owner
-from r3cache.store.redis.nodes import CHUNK, ClusterNodes, SingleNode, execute
+from r3cache.store.redis.nodes import CHUNK, ClusterNodes, SingleNode, execute, hash_reply
 from r3cache.store.redis.scripts import (
     HOLDS_SCRIPT,
     MANIFEST_HOLDS_SCRIPT,
@@ -57,11 +57,6 @@ DEFAULT_MANIFEST_TTL = 7 * 86_400.0
 _WRITE_CHUNK = 64  # keys per write group: small, so encoding overlaps the server's work
 _READ_CHUNK = 128
 _READ_AHEAD = 2
-
-
-def _pairs(reply) -> dict:
-    """HGETALL's reply as a dict, whether the parser gave a dict or a flat list."""
-    return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
 
 
 def default_owner() -> str:
@@ -387,7 +382,7 @@ class RedisBlockStore:
 
     def parse_manifest(self, request_id: str, fields) -> Manifest:
         """A manifest from its HGETALL reply (CorruptBlockError if it cannot be read)."""
-        return Manifest.from_fields(request_id, _pairs(fields), self.layout)
+        return Manifest.from_fields(request_id, hash_reply(fields), self.layout)
 
     def release_manifests(self, request_ids: Sequence[str]) -> int:
         """Delete manifests and drop their holds, unreadable ones included."""
@@ -633,8 +628,8 @@ class RedisBlockStore:
             args = [meta, *(str(x) for kv in fields.items() for x in kv)]
             # Through call(): after a restart the script cache is empty (NOSCRIPT).
             reply = self.call(meta, *OPEN_NAMESPACE_SCRIPT.command(*args))
-            self.client_for(NAMESPACES_KEY).sadd(NAMESPACES_KEY, self.namespace)
-        stored = {k.decode(): v.decode() for k, v in _pairs(reply).items()}
+            self.call(NAMESPACES_KEY, "SADD", NAMESPACES_KEY, self.namespace)
+        stored = {k.decode(): v.decode() for k, v in hash_reply(reply).items()}
         # A read-only handle writes no block: it decodes whatever each header says.
         checked = ("fingerprint", "codec", "format_version", "hash_algo") if self.options.lease \
             else ("fingerprint", "format_version", "hash_algo")
