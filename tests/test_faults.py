@@ -151,14 +151,17 @@ def test_a_redis_full_of_unread_manifests_takes_writes_again_once_a_trainer_read
             for j in range(n, n + 10):
                 request(worker, j)
 
-            def written() -> bool:
+            def carried() -> bool:
+                """A step with nothing to run, as an engine's next: it carries the calls
+                that were refused; then whether the writer has written everything."""
                 try:
+                    worker.begin_step(StepMetadata(0, {}, {}, ()))
                     worker.store.flush()
                 except StoreUnavailableError:
                     return False
                 return True
 
-            wait_for(written, 15, "the writer to write the refused batches")
+            wait_for(carried, 15, "the writer to write the refused batches")
             ids = [f"r{j}" for j in range(first, n + 10)]
             for rows in trainer.get_many(ids):
                 np.testing.assert_array_equal(rows, oracle)
@@ -696,6 +699,62 @@ def test_closing_on_a_stalled_redis_is_bounded_and_the_holds_still_go(writer, la
                 "1 request holding 2 blocks", "close() raises a typed error within "
                 "store_wait (0.5 s); the holds go once Redis answers",
                 f"close() answered after {took:.2f} s; no hold left")
+
+
+def test_an_outage_longer_than_store_wait_reaches_the_engine_though_the_helper_has_room(
+        layout, reliability):
+    """Redis goes down under an engine whose helper's ring could buffer minutes of its
+    steps: the engine's next call after store_wait of refusals raises, typed and naming
+    the refusal (under on_unavailable="raise" an outage is the engine's to see), and once
+    Redis is back its calls go through again."""
+    from r3cache import StepBatch, StepMetadata, WorkerConnector
+    from r3cache.errors import StoreUnavailableError
+    from r3cache.hashing import block_hashes
+    from r3cache.sim import oracle_rows
+
+    with RedisServer() as server:
+        port = server.port
+        store = open_store(server.url, layout=layout, namespace="outage", retries=1)
+        worker = WorkerConnector(layout=layout, store=store, writer="process",
+                                 store_wait=0.5)
+
+        def step(n: int) -> None:  # request n: one new whole block
+            tokens = [n * 16 + t for t in range(5)]
+            worker.begin_step(StepMetadata(0, {f"r{n}": 0},
+                                           {f"r{n}": block_hashes(tokens, 4)[:1]}, ()))
+            pending = worker.prepare_output(StepBatch([f"r{n}"], np.array([0]),
+                                                      np.array([0, 4])),
+                                            routed_experts=oracle_rows(tokens, layout)[:4])
+            pending.enqueue_cpu_copy([1], [0])
+            worker.process_output(pending)
+
+        step(0)
+        worker.store.flush()
+        server.kill()
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="the store refuses: "
+                           "StoreUnavailableError") as info:
+            for n in range(1, 100):
+                step(n)
+                time.sleep(0.05)
+        raised_after = time.monotonic() - began
+        server.port = port
+        server.start()
+        for later in range(n + 1, n + 100):  # the engine goes on until a step goes through
+            try:
+                step(later)
+                break
+            except StoreUnavailableError:
+                time.sleep(0.05)
+        worker.store.flush()
+        worker.close()
+    assert raised_after < 4
+    reliability("Redis killed under an engine with the helper writer (64 MiB ring), "
+                "store_wait 0.5 s", "one new block a step, 20 steps a second",
+                "the engine's next call after store_wait of refusals raises, naming the "
+                "refusal; its calls go through once Redis is back",
+                f"raised after {raised_after:.2f} s; went on after the restart")
+    assert "Redis unavailable" in str(info.value)
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])

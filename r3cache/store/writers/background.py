@@ -19,6 +19,7 @@ from r3cache.store.writers import check_policy
 from r3cache.store.writers.bounded import (
     REFUSALS,
     BoundedCalls,
+    Refusal,
     Stall,
     put_until_written,
     refused_message,
@@ -62,7 +63,7 @@ class BackgroundBlockStore:
         self._close_error: BaseException | None = None  # from the inner store's close
         self._closed = False
         self._abandoned = False  # a close gave up waiting: nobody waits for the writes
-        self._refusal: str | None = None  # why the store refuses the batch being repeated
+        self._refusal = Refusal()  # of the batch the writer repeats
         # The embedded store frees memory only through this writer's later batches (no
         # trainer or expiry frees any): full, it stays full, and its failure is final.
         self._refusals = ((StoreUnavailableError,) if type(inner) is MemoryBlockStore
@@ -108,7 +109,7 @@ class BackgroundBlockStore:
                     self.dropped_batches += 1
                     return
                 raise StoreUnavailableError(refused_message(self.namespace, self.max_wait,
-                                                            self._refusal)) from None
+                                                            self._refusal.why)) from None
             finally:
                 self.waits.observe(time.monotonic() - began)
 
@@ -230,9 +231,9 @@ class BackgroundBlockStore:
                     if item is _STOP:
                         return
                     if self._error is None and self.on_unavailable == "raise":
-                        put_until_written(self.inner, item, lambda: self._abandoned,
-                                          self._retrying, self._refusals)
-                        self._refusal = None
+                        if put_until_written(self.inner, item, lambda: self._abandoned,
+                                             self._retrying, self._refusals):
+                            self._refusal.ended()
                     elif self._error is None:
                         self.inner.put(*item)
                 except self._refusals as exc:
@@ -252,14 +253,15 @@ class BackgroundBlockStore:
                 self._close_error = exc
 
     def _retrying(self, exc: StoreError) -> None:
-        self._refusal = f"{type(exc).__name__}: {exc}"
+        self._refusal.began(f"{type(exc).__name__}: {exc}")
         log.warning("namespace %r: the store refused a batch; the writer writes it again "
-                    "until the store takes it: %s", self.namespace, self._refusal)
+                    "until the store takes it: %s", self.namespace, self._refusal.why)
 
     def _check(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store {self.namespace!r} is closed")
         self._raise_error()
+        self._refusal.check(self.namespace, self.max_wait)
 
     def _raise_error(self) -> None:
         if self._error is not None:

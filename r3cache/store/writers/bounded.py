@@ -71,10 +71,11 @@ REFUSALS = (StoreUnavailableError, StoreFullError)
 
 def put_until_written(store: Any, put: tuple, gone: Callable[[], bool],
                       retrying: Callable[[StoreError], None],
-                      refusals: tuple[type[StoreError], ...] = REFUSALS) -> None:
+                      refusals: tuple[type[StoreError], ...] = REFUSALS) -> bool:
     """``store.put(*put)``, repeated while the store refuses it (``refusals``) until it
     goes through; the last refusal is raised once ``gone()`` says nobody waits for the
-    writes any more. ``retrying`` hears of the first refusal.
+    writes any more. ``retrying`` hears of the first refusal. Returns whether there was
+    one.
 
     Repeating a refused put is exact: blocks are immutable (first writer wins), a Redis
     store sets each hold to the count its owner keeps (it does not add to it) and takes a
@@ -87,7 +88,7 @@ def put_until_written(store: Any, put: tuple, gone: Callable[[], bool],
     while True:
         try:
             store.put(*put)
-            return
+            return delay > RETRY_FIRST
         except refusals as exc:
             if gone():
                 raise
@@ -103,6 +104,35 @@ def refused_message(namespace: str, wait: float, refusal: str | None) -> str:
     return (f"namespace {namespace!r}: the writer has not taken a batch for {wait:g} s ("
             + (f"the store refuses: {refusal}" if refusal else "store down or stalled?")
             + "); this batch was not written")
+
+
+class Refusal:
+    """Own what a writer said of the batch it repeats: why the store refuses it, and
+    since when (``time.monotonic()``; None while nothing is refused).
+
+    An engine's call is refused once a refusal has lasted ``store_wait``, as when a wait on
+    a writer that takes nothing runs out, however much room the writer's queue or ring
+    has left: an outage longer than ``store_wait`` reaches the engine at its next call,
+    typed, while the writer goes on repeating the batch and the engine's next calls carry
+    what was refused. Set by the writer's thread (or from the helper's reports), read by
+    the engine's.
+    """
+
+    def __init__(self) -> None:
+        self.why: str | None = None
+        self.since: float | None = None
+
+    def began(self, why: str) -> None:
+        self.why, self.since = why, time.monotonic()
+
+    def ended(self) -> None:
+        self.since = None
+
+    def check(self, namespace: str, wait: float) -> None:
+        """Raise StoreUnavailableError if the store has refused the writer for ``wait``."""
+        since = self.since
+        if since is not None and time.monotonic() - since >= wait:
+            raise StoreUnavailableError(refused_message(namespace, wait, self.why))
 
 
 class Stall:

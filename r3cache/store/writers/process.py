@@ -29,6 +29,7 @@ from r3cache.store.base import StoreStats
 from r3cache.store.writers.bounded import (
     REFUSALS,
     BoundedCalls,
+    Refusal,
     Stall,
     put_until_written,
     refused_message,
@@ -118,10 +119,11 @@ def _serve(connection: Connection) -> None:
             _, objects, retain, release, manifests, upto = message
             if not failed:
                 try:
-                    put_until_written(store, (objects, retain, release, manifests),
-                                      lambda: _engine_gone(connection, parent),
-                                      lambda exc: _tell(connection, (
-                                          "refused", f"{type(exc).__name__}: {exc}")))
+                    if put_until_written(store, (objects, retain, release, manifests),
+                                         lambda: _engine_gone(connection, parent),
+                                         lambda exc: _tell(connection, (
+                                             "refused", f"{type(exc).__name__}: {exc}"))):
+                        connection.send(("taken",))  # what it refused, Redis took at last
                 except REFUSALS:
                     return  # the engine hung up or died: its holds expire with the lease
                 except Exception as exc:  # noqa: BLE001 - sticky, reported once
@@ -251,7 +253,7 @@ class ProcessWriter:
         # of its last report: the read handle here writes nothing.
         self._write_counts: dict[str, int] = {}
         self._error: str | None = None
-        self._refusal: str | None = None  # why Redis refuses the put the helper repeats
+        self._refusal = Refusal()  # of the put the helper repeats, as it reported
         self._closed = False
         self._flushes = 0
         self._next_check = 0.0
@@ -383,7 +385,7 @@ class ProcessWriter:
     def _unavailable(self) -> None:
         self._stall.gave_up()
         raise StoreUnavailableError(refused_message(self.namespace, self.max_wait,
-                                                    self._refusal))
+                                                    self._refusal.why))
 
     def flush(self, deadline: float | None = None) -> None:
         """Return once the helper applied every earlier put (or raise its error), waiting
@@ -506,15 +508,16 @@ class ProcessWriter:
                               f"(code {self._process.poll()})") from None
         if reply[0] == "freed":
             self._ring.freed(reply[1])
-            self._refusal = None  # the helper wrote a put: what it repeated went through
             if reply[2] is not None:
                 self._write_counts = reply[2]
         elif reply[0] == "variants":
             self.reader.add_variants(reply[1])
         elif reply[0] == "counts":
             self._write_counts = reply[1]
+        elif reply[0] == "taken":
+            self._refusal.ended()
         elif reply[0] == "refused":
-            self._refusal = reply[1]
+            self._refusal.began(reply[1])
             log.warning("namespace %r: Redis refused a batch; the writer process writes it "
                         "again until Redis takes it: %s", self.namespace, reply[1])
         elif reply[0] == "error":
@@ -528,16 +531,17 @@ class ProcessWriter:
         if self._error:
             raise WriterError(self._error)
         now = time.monotonic()
-        if now < self._next_check:
-            return  # the helper's replies and liveness cost two syscalls: not every put
-        self._next_check = now + _CHECK_EVERY
-        while self._connection.poll(0):
-            self._reply(timeout=0)
-        if self._error:
-            raise WriterError(self._error)
-        if self._process.poll() is not None:
-            raise WriterError(f"the writer process for {self.namespace!r} exited "
-                              f"(code {self._process.returncode})")
+        # The helper's replies and liveness cost two syscalls: not every put.
+        if now >= self._next_check:
+            self._next_check = now + _CHECK_EVERY
+            while self._connection.poll(0):
+                self._reply(timeout=0)
+            if self._error:
+                raise WriterError(self._error)
+            if self._process.poll() is not None:
+                raise WriterError(f"the writer process for {self.namespace!r} exited "
+                                  f"(code {self._process.returncode})")
+        self._refusal.check(self.namespace, self.max_wait)
 
     def __repr__(self) -> str:
         return f"ProcessWriter({self.reader!r})"
