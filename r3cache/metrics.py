@@ -141,6 +141,7 @@ class EngineTotals:
     queued: int = 0  # gauges, live connectors only: batches queued now,
     ring_used: int = 0  # and the helper process's ring slots in use, of ring_slots
     ring_slots: int = 0
+    refused: float = 0.0  # the longest a live connector's writer has repeated a batch
 
     def add(self, stats: Any, store: Any) -> None:
         """Fold one connector's stats and its store's writer into these."""
@@ -216,6 +217,8 @@ class _Sources:
                 used, slots = getattr(_writer(store), "ring_slots", (0, 0))
                 total.ring_used += used
                 total.ring_slots += slots
+                total.refused = max(total.refused,
+                                    getattr(_writer(store), "refused_seconds", 0.0))
         return totals
 
     def readers(self) -> dict[tuple[str, str], ReaderStats]:
@@ -284,6 +287,12 @@ def collector():
             for key, totals in engines.items():
                 depth.add_metric(list(key), totals.queued)
             yield depth
+            refused = GaugeMetricFamily(
+                "r3cache_writer_refused_seconds", "how long the store has refused the batch "
+                "the writer repeats (0: it refuses none)", labels=labels)
+            for key, totals in engines.items():
+                refused.add_metric(list(key), totals.refused)
+            yield refused
             ring = [(k, t) for k, t in engines.items() if t.ring_slots]
             for name, text, field in (
                     ("r3cache_writer_ring_slots_used",

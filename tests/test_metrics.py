@@ -241,6 +241,39 @@ def test_conflicts_with_another_replica_and_the_ring_show_on_metrics(redis_url, 
         other.close()
 
 
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_writer_repeating_a_refused_batch_shows_how_long(namespace, writer, scrape):
+    """Redis goes down under a put: r3cache_writer_refused_seconds grows while the writer
+    repeats the batch, and is 0 again once Redis is back and takes it."""
+    from r3cache import open_store
+    from r3cache.connector.worker import WorkerConnector
+    from r3cache.errors import StoreUnavailableError
+    from r3cache.testing import RedisServer
+    from tests.conftest import wait_for
+
+    with RedisServer() as server:
+        port = server.port
+        worker = WorkerConnector(layout=LAYOUT, store=open_store(
+            server.url, layout=LAYOUT, namespace=namespace, retries=1), writer=writer,
+            store_wait=0.5)
+
+        def refused() -> float:
+            with contextlib.suppress(StoreUnavailableError):
+                worker.store.flush()  # an engine's call: it reads the helper's reports
+            return scrape(namespace)["r3cache_writer_refused_seconds"]
+
+        try:
+            assert refused() == 0
+            server.kill()
+            worker.store.put({"k": np.ones(LAYOUT.block_shape, LAYOUT.dtype)}, ["k"])
+            wait_for(lambda: refused() > 0.5, 10, "the gauge to show the refusal")
+            server.port = port
+            server.start()
+            wait_for(lambda: refused() == 0, 10, "the gauge to go back to 0")
+        finally:
+            worker.close()
+
+
 def test_engine_steps_call_no_metrics_code_but_the_wait_timing():
     """scripts/bench_metrics.py (make bench) counts calls into r3cache/metrics.py during
     every bench_step case: only puts that waited for a full queue may make one."""

@@ -172,6 +172,11 @@ class BackgroundBlockStore:
         return self._queue.unfinished_tasks
 
     @property
+    def refused_seconds(self) -> float:
+        """How long the store has refused the batch the writer repeats (0.0: none)."""
+        return self._refusal.seconds()
+
+    @property
     def conflicts(self) -> int:
         """The inner store's conflicts so far (0 for a store that does not count them)."""
         return getattr(self.inner, "conflicts", 0)

@@ -128,6 +128,11 @@ class Refusal:
     def ended(self) -> None:
         self.since = None
 
+    def seconds(self) -> float:
+        """How long the store has refused the batch (0.0: it refuses none)."""
+        since = self.since
+        return 0.0 if since is None else time.monotonic() - since
+
     def check(self, namespace: str, wait: float) -> None:
         """Raise StoreUnavailableError if the store has refused the writer for ``wait``."""
         since = self.since

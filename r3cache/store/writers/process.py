@@ -440,6 +440,11 @@ class ProcessWriter:
         return self._outbox.qsize()
 
     @property
+    def refused_seconds(self) -> float:
+        """How long the store has refused the batch the writer repeats (0.0: none)."""
+        return self._refusal.seconds()
+
+    @property
     def conflicts(self) -> int:
         """The helper's conflicts, as of its last report."""
         return self._write_counts.get("conflicts", 0)
