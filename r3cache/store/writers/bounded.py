@@ -126,7 +126,7 @@ class Refusal:
         self.why, self.since = why, time.monotonic()
 
     def ended(self) -> None:
-        self.since = None
+        self.since = self.why = None
 
     def seconds(self) -> float:
         """How long the store has refused the batch (0.0: it refuses none)."""
