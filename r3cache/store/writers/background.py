@@ -22,7 +22,6 @@ from r3cache.store.writers.bounded import (
     Refusal,
     Stall,
     put_until_written,
-    refused_message,
     wait_while_progressing,
 )
 
@@ -108,8 +107,7 @@ class BackgroundBlockStore:
                     # with ManifestNotFoundError or BlockNotFoundError, never wrong rows.
                     self.dropped_batches += 1
                     return
-                raise StoreUnavailableError(refused_message(self.namespace, self.max_wait,
-                                                            self._refusal.why)) from None
+                raise self._refusal.error(self.namespace, self.max_wait) from None
             finally:
                 self.waits.observe(time.monotonic() - began)
 

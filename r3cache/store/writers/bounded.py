@@ -98,14 +98,6 @@ def put_until_written(store: Any, put: tuple, gone: Callable[[], bool],
             delay = min(2 * delay, RETRY_MAX)
 
 
-def refused_message(namespace: str, wait: float, refusal: str | None) -> str:
-    """What an engine's put says when the writer took nothing for ``wait`` seconds;
-    ``refusal``: why the store refuses the batch the writer repeats, if it said."""
-    return (f"namespace {namespace!r}: the writer has not taken a batch for {wait:g} s ("
-            + (f"the store refuses: {refusal}" if refusal else "store down or stalled?")
-            + "); this batch was not written")
-
-
 class Refusal:
     """Own what a writer said of the batch it repeats: why the store refuses it, and
     since when (``time.monotonic()``; None while nothing is refused).
@@ -137,7 +129,16 @@ class Refusal:
         """Raise StoreUnavailableError if the store has refused the writer for ``wait``."""
         since = self.since
         if since is not None and time.monotonic() - since >= wait:
-            raise StoreUnavailableError(refused_message(namespace, wait, self.why))
+            raise self.error(namespace, wait)
+
+    def error(self, namespace: str, wait: float) -> StoreUnavailableError:
+        """What an engine's call raises when the writer took nothing for ``wait`` seconds,
+        naming the store's refusal if there is one."""
+        why = self.why
+        return StoreUnavailableError(
+            f"namespace {namespace!r}: the writer has not taken a batch for {wait:g} s ("
+            + (f"the store refuses: {why}" if why else "store down or stalled?")
+            + "); this batch was not written")
 
 
 class Stall:

@@ -32,7 +32,6 @@ from r3cache.store.writers.bounded import (
     Refusal,
     Stall,
     put_until_written,
-    refused_message,
 )
 from r3cache.store.writers.ring import DEFAULT_RING_BYTES, BlockRing
 
@@ -384,8 +383,7 @@ class ProcessWriter:
 
     def _unavailable(self) -> None:
         self._stall.gave_up()
-        raise StoreUnavailableError(refused_message(self.namespace, self.max_wait,
-                                                    self._refusal.why))
+        raise self._refusal.error(self.namespace, self.max_wait)
 
     def flush(self, deadline: float | None = None) -> None:
         """Return once the helper applied every earlier put (or raise its error), waiting
