@@ -6,7 +6,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -29,6 +30,23 @@ DEFAULT_MAX_PENDING = 512
 _STOP = object()
 log = logging.getLogger("r3cache.store")
 _IDLE_POLL = 0.5  # seconds between an idle writer's looks at whether the store closed
+
+
+def _net_pins(retain: Iterable[str], release: Iterable[str]) -> dict[str, int]:
+    """Each key's pins less its releases, keys that net to nothing left out."""
+    net = Counter(retain)
+    net.subtract(release)
+    return {k: n for k, n in net.items() if n}
+
+
+def _with_pins(item: tuple, net: dict[str, int]) -> tuple:
+    """A put's ``(objects, retain, release, manifests)`` with the ``net`` pins of batches
+    dropped before it: a store sets each hold to its owner's count, so only the net of
+    each key matters, not the order of the pins it took and let go."""
+    objects, retain, release, manifests = item
+    pinned = [k for k, n in net.items() if n > 0 for _ in range(n)]
+    unpinned = [k for k, n in net.items() if n < 0 for _ in range(-n)]
+    return objects, [*pinned, *retain], [*release, *unpinned], manifests
 
 
 class BackgroundBlockStore:
@@ -67,6 +85,10 @@ class BackgroundBlockStore:
         # trainer or expiry frees any): full, it stays full, and its failure is final.
         self._refusals = ((StoreUnavailableError,) if type(inner) is MemoryBlockStore
                           else REFUSALS)
+        # Pins of batches dropped under "incomplete", net per key, that the next batch
+        # takes: the writer's (the store refused them) and the engine's (the queue was full).
+        self._unapplied: dict[str, int] = {}
+        self._unqueued: dict[str, int] = {}
         self._taken = 0  # batches the writer has taken: its progress
         self._stall = Stall(lambda: self._taken)
         self._thread = threading.Thread(
@@ -92,6 +114,8 @@ class BackgroundBlockStore:
                       blocks=False)
             item = (self._owned(objects), retain_keys, release_keys,
                     [m.own_copy() for m in manifests])
+            if self._unqueued:
+                item, self._unqueued = _with_pins(item, self._unqueued), {}
             try:
                 self._queue.put_nowait(item)
                 return
@@ -105,7 +129,9 @@ class BackgroundBlockStore:
                 if self.on_unavailable == "incomplete":
                     # The requests of this batch are incomplete: their read-back fails
                     # with ManifestNotFoundError or BlockNotFoundError, never wrong rows.
+                    # Its pins go with the next batch.
                     self.dropped_batches += 1
+                    self._unqueued = _net_pins(item[1], item[2])
                     return
                 raise self._refusal.error(self.namespace, self.max_wait) from None
             finally:
@@ -238,10 +264,16 @@ class BackgroundBlockStore:
                                              self._retrying, self._refusals):
                             self._refusal.ended()
                     elif self._error is None:
+                        if self._unapplied:
+                            item, self._unapplied = _with_pins(item, self._unapplied), {}
                         self.inner.put(*item)
                 except self._refusals as exc:
                     if self.on_unavailable == "incomplete":
-                        self.dropped_batches += 1  # this batch is lost; the next may succeed
+                        # Its blocks and manifests are lost (those requests read back
+                        # incomplete); its pins go with the next batch, or the store would
+                        # keep holds the engine has let go, and lack ones it counts.
+                        self.dropped_batches += 1
+                        self._unapplied = _net_pins(item[1], item[2])
                     else:
                         self._error = exc
                 except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller
