@@ -304,10 +304,13 @@ def hash_reply(reply) -> dict:
     return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
 
 
-def command(nodes: SingleNode | ClusterNodes, key: bytes, *args: Any, retries: int) -> Any:
-    """One command (no script) on the node serving ``key``, retried as ``execute`` retries
-    a round: across a failover, a moved slot or a dropped connection. Its raw reply."""
-    for _, replies in execute(nodes, [key], lambda _: [args], scripts={}, retries=retries):
+def command(nodes: SingleNode | ClusterNodes, key: bytes, *args: Any, retries: int,
+            scripts: dict[str, Any] | None = None) -> Any:
+    """One command on the node serving ``key``, retried as ``execute`` retries a round:
+    across a failover, a moved slot or a dropped connection (a script among ``scripts``
+    reloaded if the node lost it). Its raw reply."""
+    for _, replies in execute(nodes, [key], lambda _: [args], scripts=scripts or {},
+                              retries=retries):
         return replies[0]
 
 

@@ -39,7 +39,14 @@ from r3cache.store.base import (
 )
 from r3cache.store.redis.errors import redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, KeySchema, check_name, manifest_owner
-from r3cache.store.redis.nodes import CHUNK, ClusterNodes, SingleNode, execute, hash_reply
+from r3cache.store.redis.nodes import (
+    CHUNK,
+    ClusterNodes,
+    SingleNode,
+    command,
+    execute,
+    hash_reply,
+)
 from r3cache.store.redis.scripts import (
     HOLDS_SCRIPT,
     MANIFEST_HOLDS_SCRIPT,
@@ -588,9 +595,10 @@ class RedisBlockStore:
     def client_for(self, key: bytes) -> redis.Redis:
         return self._nodes.client_for(key)
 
-    def call(self, key: bytes, *command: Any) -> Any:
+    def call(self, key: bytes, *args: Any) -> Any:
         """One command on the node serving ``key``, retried across a failover or MOVED."""
-        return self.per_key([key], lambda _: command)[0]
+        return command(self._nodes, key, *args, retries=self.options.retries,
+                       scripts=SCRIPTS)
 
     def primaries(self) -> list[redis.Redis]:
         return self._nodes.primaries()
