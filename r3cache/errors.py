@@ -127,7 +127,8 @@ class StoreUnavailableError(StoreError):
 
 
 class StoreAccessError(StoreError):
-    """The store refused the credentials or the command (AUTH, ACL)."""
+    """The store refused the credentials or the command (AUTH, ACL), or another store took
+    this one's owner name after its lease ran out."""
 
 
 class StoreClosedError(StoreError):

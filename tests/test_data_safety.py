@@ -7,6 +7,7 @@ reclaimed; every engine-side wait is bounded; bad input is refused before any ef
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -302,6 +303,94 @@ def test_a_fixed_owner_name_reused_after_a_crash_drops_the_crashed_runs_holds(
                     "0 holds left; blocks got the idle TTL")
     finally:
         restarted.close()
+
+
+def test_a_second_live_store_under_one_owner_name_is_refused_and_the_first_keeps_its_holds(
+        redis_url, namespace, reliability):
+    # Two engines given the same owner= (one URL for every data-parallel rank, say): the
+    # second would take the name and overwrite the first's counts, leaving blocks the
+    # first uses without a hold.
+    first = open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="engine-0")
+    first.put({"h3": blk(3)}, retain_keys=["h3"])
+    process = _owner_process(redis_url, namespace, "engine-1", lease=1.0)
+    try:
+        began = time.monotonic()
+        with pytest.raises(ContractError, match="in use by a live store"):
+            open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="engine-0")
+        same_process = time.monotonic() - began
+        began = time.monotonic()
+        with pytest.raises(ContractError, match="in use by a live store"):
+            open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="engine-1")
+        other_process = time.monotonic() - began
+        # The other process proves it is alive with its next heartbeat (a third of 1 s).
+        assert same_process < 0.2 and other_process < 0.8
+        assert _holders_of(first, "h3") == {"engine-0"} and first.refcount("h3") == 1
+        assert _holders_of(first, "h1") == {"engine-1"} and pttl(first, "h1") == -1
+        reliability("a second store opened under a live store's owner name, in the same "
+                    "process and in another one", "3 held blocks",
+                    "the second open is refused; the live stores keep every hold",
+                    f"refused after {same_process:.2f} s and {other_process:.2f} s")
+    finally:
+        process.kill()
+        first.close()
+
+
+STALLED_OWNER = """
+import sys
+import numpy as np
+from r3cache import RoutingLayout, open_store
+layout = RoutingLayout(3, 2, 16, 4)
+store = open_store(sys.argv[1], layout=layout, namespace=sys.argv[2], owner="engine-0",
+                   lease_ttl=1.0)
+rows = np.zeros(layout.block_shape, np.uint8)
+rows[:, :, 1] = 1
+store.put({"h1": rows}, retain_keys=["h1"])
+print("held", flush=True)
+sys.stdin.readline()
+try:
+    store.put({}, retain_keys=["h1"], release_keys=["h1"])
+    print("wrote", flush=True)
+except Exception as exc:
+    print(type(exc).__name__, flush=True)
+store.close()
+print("closed", flush=True)
+"""
+
+
+def test_an_owner_stalled_past_its_lease_yields_its_name_and_leaves_the_new_holds_alone(
+        redis_url, namespace, reliability):
+    process = subprocess.Popen([sys.executable, "-c", STALLED_OWNER, redis_url, namespace],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "held"
+        process.send_signal(signal.SIGSTOP)
+        began = time.monotonic()
+        # Alive as far as anyone can tell until its lease runs out without a heartbeat.
+        restarted = open_store(redis_url, layout=LAYOUT, namespace=namespace,
+                               owner="engine-0", lease_ttl=1.0)
+        waited = time.monotonic() - began
+        restarted.put({}, retain_keys=["h1"])
+        process.send_signal(signal.SIGCONT)
+        time.sleep(0.8)  # its next heartbeat finds the name taken
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        assert process.stdout.readline().strip() == "StoreAccessError"
+        assert process.stdout.readline().strip() == "closed"
+        assert process.wait(10) == 0
+        owners = restarted.keys.owners
+        entry = restarted.client_for(owners).hget(owners, "engine-0")
+        assert entry is not None and f"pid={os.getpid()} " in entry.decode()
+        assert _holders_of(restarted, "h1") == {"engine-0"} and pttl(restarted, "h1") == -1
+        assert restarted.refcount("h1") == 1
+        assert 0.2 < waited < 3
+        reliability("an owner stalled (SIGSTOP) past its 1 s lease, its name opened again, "
+                    "then resumed", "1 held block",
+                    "the new store waits out the lease; the resumed one refuses writes "
+                    "and its close leaves the new holds and entry",
+                    f"name taken after {waited:.2f} s; 1 hold left, the new store's")
+        restarted.close()
+    finally:
+        process.kill()
 
 
 def test_holds_written_after_a_restart_without_persistence_stay_reclaimable(reliability):

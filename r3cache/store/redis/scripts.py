@@ -105,6 +105,9 @@ end
 return dropped
 """
 
+# The text of an owners-registry entry the janitor made for a holder it found unregistered.
+JANITOR_FOUND = "unregistered holder found by the janitor"
+
 # The owners registry: one hash without a TTL, owner -> "<expiry ms> <info>", the expiry
 # read from the server's clock. No TTL, so volatile-* eviction cannot take a live owner's
 # lease; the scripts allow OOM, so a full Redis cannot refuse a heartbeat. An expiry of 0
@@ -122,23 +125,40 @@ end
 local function info(entry)
   return (string.gsub(entry, '^%d+ ?', ''))
 end
+local JANITOR_FOUND = '""" + JANITOR_FOUND + """'
 """
 
-# ARGV: owners key, owner, ttl_ms, info, mode ("open" or "beat"), the caller's clock (ms).
-# open: registers the owner; returns 2 if an entry of that name was there (an earlier
-# incarnation: its holds must be dropped), else 1.
-# beat: extends a live entry (returns 1); leaves an entry being reclaimed alone
+# ARGV: owners key, owner, ttl_ms, info, mode, the caller's clock (ms), then for "open"
+# the entry the caller found to be an earlier incarnation's ("" for none).
+# open: registers the owner where its name is free: no entry (returns 1), an expired one
+# no janitor is reclaiming, or the given earlier incarnation's (returns 2: its holds must
+# be dropped). A live entry, or one a janitor is reclaiming, stays: returns {the entry,
+# ms left of its lease (-1: being reclaimed)}, and the caller decides.
+# beat: extends this incarnation's entry (returns 1; an entry the janitor made for a holder
+# it found unregistered becomes this one's); leaves an entry being reclaimed alone
 # (returns 0); re-registers an owner whose entry is gone, after a reclaim or a Redis
-# restart without persistence (returns -1: its holds must be applied again).
+# restart without persistence (returns -1: its holds must be applied again); returns -2,
+# changing nothing, where another incarnation registered the name.
+# close: drops the entry if it is this incarnation's (returns 1), else 0.
 REGISTER = _HOLDS_SHEBANG + _NOW + """
-local key, owner, ttl, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[5]
+local key, owner, ttl, text, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local old = redis.call('HGET', key, owner)
-local text = ARGV[4]
-if mode == 'beat' and old then
-  if expiry(old) == 0 then return 0 end
-  text = info(old)
+if mode == 'close' then
+  if old and info(old) == text then return redis.call('HDEL', key, owner) end
+  return 0
 end
-redis.call('HSET', key, owner, (now_ms(ARGV[6]) + ttl) .. ' ' .. text)
+local now = now_ms(ARGV[6])
+if mode == 'beat' and old then
+  local was = info(old)
+  if was ~= text and was ~= JANITOR_FOUND then return -2 end
+  if expiry(old) == 0 then return 0 end
+end
+if mode == 'open' and old and old ~= ARGV[7] then
+  local e = expiry(old) or 0
+  if e == 0 then return {old, -1} end
+  if e > now then return {old, e - now} end
+end
+redis.call('HSET', key, owner, (now + ttl) .. ' ' .. text)
 if mode == 'beat' then
   if old then return 1 else return -1 end
 end
@@ -153,7 +173,7 @@ SWEEP = _HOLDS_SHEBANG + _NOW + """
 local key, grace = ARGV[1], tonumber(ARGV[2])
 local now = now_ms(ARGV[3])
 for i = 4, #ARGV do
-  redis.call('HSETNX', key, ARGV[i], (now + grace) .. ' unregistered holder found by the janitor')
+  redis.call('HSETNX', key, ARGV[i], (now + grace) .. ' ' .. JANITOR_FOUND)
 end
 local entries = redis.call('HGETALL', key)
 local dead, live = {}, {}

@@ -25,7 +25,6 @@ from r3cache.errors import (
     LayoutMismatchError,
     NamespaceNotFoundError,
     StoreClosedError,
-    StoreError,
 )
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
@@ -39,6 +38,7 @@ from r3cache.store.base import (
 )
 from r3cache.store.redis.errors import redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, KeySchema, check_name, manifest_owner
+from r3cache.store.redis.lease import Lease
 from r3cache.store.redis.nodes import (
     CHUNK,
     ClusterNodes,
@@ -51,7 +51,6 @@ from r3cache.store.redis.scripts import (
     HOLDS_SCRIPT,
     MANIFEST_HOLDS_SCRIPT,
     OPEN_NAMESPACE_SCRIPT,
-    REGISTER_SCRIPT,
     REPLACE_HASH_SCRIPT,
     SCRIPTS,
 )
@@ -171,7 +170,7 @@ class RedisBlockStore:
         self._hold_lock = threading.RLock()
         self._closed = False
         self.reopen_args: tuple[str, dict] | None = None  # set by open_redis_store
-        self._lease: _Lease | None = None
+        self._lease: Lease | None = None
         with redis_errors(namespace, "opening the namespace"):
             # Loaded up front so the first batch needs no NOSCRIPT round trip per node.
             for client in nodes.primaries():
@@ -183,7 +182,7 @@ class RedisBlockStore:
 
                 reclaim_dead_owners(self)
             if options.lease:
-                self._lease = _Lease(self)
+                self._lease = Lease(self)
 
     # -- the BlockStore protocol ----------------------------------------------------
 
@@ -197,6 +196,8 @@ class RedisBlockStore:
         self._check_open()
         if (retain_keys or release_keys or manifests) and self._lease is None:
             raise ContractError("a store opened with lease=False cannot hold blocks")
+        if self._lease is not None:
+            self._lease.check()
         check_put(self.layout, objects, retain_keys, release_keys, manifests)
         retain_keys, release_keys = list(retain_keys), list(release_keys)  # read twice
         # Keys become Redis key names and manifest fields: each one checked before
@@ -569,7 +570,10 @@ class RedisBlockStore:
                 self._lease.stop()  # first: a heartbeat may be re-applying holds
                 with redis_errors(self.namespace, "closing"), self._hold_lock:
                     held = {*self._holds, *self._uncertain}
-                    drop_holds(self, [self.owner], [self.keys.refs(k) for k in held])
+                    # Another store that took the name after this one's lease ran out
+                    # holds under it now: its holds are not this store's to drop.
+                    if self._lease.ours():
+                        drop_holds(self, [self.owner], [self.keys.refs(k) for k in held])
                     self._holds.clear()
                     self._uncertain.clear()
                     self._lease.unregister()
@@ -656,65 +660,3 @@ class RedisBlockStore:
     def __repr__(self) -> str:
         return (f"RedisBlockStore(url={self._display_url!r}, namespace={self.namespace!r}, "
                 f"owner={self.owner!r})")
-
-
-class _Lease:
-    """Own this owner's entry in the owners registry, refreshed by a daemon thread.
-
-    The entry holds an expiry on the server's clock in a hash without a TTL, so
-    neither eviction nor a full Redis can make a live owner look dead. A heartbeat
-    that finds its entry gone (reclaimed after a stall, or Redis restarted without
-    persistence) registers again, re-creates the namespace metadata if it is gone,
-    and applies every hold the owner has again.
-    """
-
-    def __init__(self, store: RedisBlockStore) -> None:
-        from r3cache.store.redis.janitor import drop_owner_everywhere
-
-        self._store = store
-        self._ttl_ms = int(store.options.lease_ttl * 1000)
-        self._key = store.keys.owners
-        self._stop = threading.Event()
-        self.renewals = 0  # heartbeats that found the entry gone and registered again
-        self._info = f"host={socket.gethostname()} pid={os.getpid()} started={int(time.time())}"
-        if self._register("open") == 2:
-            # The name was registered by an earlier incarnation (a crash, then a restart
-            # with the same owner=): what it held is not this one's.
-            log.warning("namespace %r: owner %r was registered before; dropping the holds "
-                        "of its earlier incarnation", store.namespace, store.owner)
-            drop_owner_everywhere(store, store.owner)
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"r3cache-lease-{store.owner}")
-        self._thread.start()
-
-    def _register(self, mode: str) -> int:
-        store = self._store
-        return int(store.call(self._key, *REGISTER_SCRIPT.command(
-            self._key, store.owner, self._ttl_ms, self._info, mode, int(time.time() * 1000))))
-
-    def beat(self) -> None:
-        store = self._store
-        if self._register("beat") == -1:
-            self.renewals += 1
-            log.warning("namespace %r: owner %r found its lease gone (reclaimed after a "
-                        "stall, or Redis lost its data); registered again and re-applying "
-                        "its holds", store.namespace, store.owner)
-            store.restore(holds=True)
-        elif not store.call(store.keys.meta, "EXISTS", store.keys.meta):
-            store.restore(holds=False)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._ttl_ms / 3000):
-            try:
-                self.beat()
-            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
-                    StoreError):
-                continue  # retried at the next beat; the lease covers short outages
-
-    def stop(self) -> None:
-        """No more heartbeats."""
-        self._stop.set()
-        self._thread.join()
-
-    def unregister(self) -> None:
-        self._store.call(self._key, "HDEL", self._key, self._store.owner)
