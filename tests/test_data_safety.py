@@ -361,6 +361,7 @@ def test_an_owner_stalled_past_its_lease_yields_its_name_and_leaves_the_new_hold
         redis_url, namespace, reliability):
     process = subprocess.Popen([sys.executable, "-c", STALLED_OWNER, redis_url, namespace],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    restarted = None
     try:
         assert process.stdout.readline().strip() == "held"
         process.send_signal(signal.SIGSTOP)
@@ -388,9 +389,10 @@ def test_an_owner_stalled_past_its_lease_yields_its_name_and_leaves_the_new_hold
                     "the new store waits out the lease; the resumed one refuses writes "
                     "and its close leaves the new holds and entry",
                     f"name taken after {waited:.2f} s; 1 hold left, the new store's")
-        restarted.close()
     finally:
         process.kill()
+        if restarted is not None:
+            restarted.close()
 
 
 def test_holds_written_after_a_restart_without_persistence_stay_reclaimable(reliability):
