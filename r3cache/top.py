@@ -8,10 +8,7 @@ import sys
 import time
 
 from r3cache.inspection import Snapshot, snapshot
-
-# Only keys with a TTL may be evicted under these: held blocks (no TTL) never are.
-_SAFE_POLICIES = ("volatile-lru", "volatile-lfu", "volatile-ttl", "volatile-random",
-                  "noeviction")
+from r3cache.store.redis.store import SAFE_POLICIES
 
 
 def render(now: Snapshot, before: Snapshot | None, url: str) -> list[str]:
@@ -23,7 +20,7 @@ def render(now: Snapshot, before: Snapshot | None, url: str) -> list[str]:
     lines = [f"r3cache top  {url}",
              f"memory     {server.used_memory:,} used of {limit}{share}, "
              f"policy {server.policy}"]
-    if any(p not in _SAFE_POLICIES for p in server.policy.split(",")):
+    if any(p not in SAFE_POLICIES for p in server.policy.split(",")):
         lines.append("WARNING    maxmemory-policy is not volatile-*: Redis may evict blocks "
                      "that are held")
     seconds = now.at - before.at if before else 0.0

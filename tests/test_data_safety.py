@@ -210,6 +210,22 @@ def test_a_live_owner_survives_eviction(policy, reliability):
                     f"{evicted} keys evicted, 0 holds dropped, 40/40 blocks intact")
 
 
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru"])
+def test_an_engine_opening_a_redis_that_may_evict_held_blocks_says_so(policy, caplog):
+    with RedisServer("--maxmemory", "64mb", "--maxmemory-policy", policy) as server:
+        with caplog.at_level("WARNING", logger="r3cache.store"):
+            store = open_store(server.url, layout=LAYOUT, namespace="policy")
+            reader = open_store(server.url, layout=LAYOUT, namespace="policy", lease=False,
+                                janitor=False)
+        store.close()
+        reader.close()
+    said = [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+    if policy == "volatile-lru":
+        assert said == []
+    else:
+        assert len(said) == 1 and "allkeys-lru" in said[0] and "volatile-lru" in said[0]
+
+
 def test_a_heartbeat_goes_through_when_redis_is_out_of_memory(reliability):
     with RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
         owner = open_store(server.url, layout=WIDE, namespace="oom", lease_ttl=1)

@@ -57,6 +57,9 @@ from r3cache.store.redis.scripts import (
 
 log = logging.getLogger("r3cache.store")
 
+# Eviction policies that take only keys with a TTL (idle blocks), or none at all.
+SAFE_POLICIES = ("volatile-lru", "volatile-lfu", "volatile-ttl", "volatile-random",
+                 "noeviction")
 DEFAULT_IDLE_TTL = 86_400.0
 DEFAULT_LEASE_TTL = 30.0
 DEFAULT_MANIFEST_TTL = 7 * 86_400.0
@@ -177,12 +180,29 @@ class RedisBlockStore:
                 for script in SCRIPTS.values():
                     client.script_load(script.source)
             self._open_namespace()
-            if options.janitor:
+            if options.janitor:  # once an engine (its helper process opens without)
                 from r3cache.store.redis.janitor import reclaim_dead_owners
 
                 reclaim_dead_owners(self)
+                self._warn_of_eviction()
             if options.lease:
                 self._lease = Lease(self)
+
+    def _warn_of_eviction(self) -> None:
+        """Log each maxmemory-policy of the primaries that may evict keys without a TTL:
+        held blocks, their holds, owners' leases (their rows then read back as missing).
+        Under the safe policies only idle blocks, which carry a TTL, can be evicted."""
+        for client in self._nodes.primaries():
+            try:
+                policy = client.info("memory").get("maxmemory_policy")
+            except redis.exceptions.ResponseError:  # an ACL without INFO: nothing to tell
+                continue
+            if policy not in SAFE_POLICIES:
+                log.warning("namespace %r: %s evicts with maxmemory-policy %s: under memory "
+                            "pressure Redis may evict held blocks and the holds themselves; "
+                            "set volatile-lru (deploy/redis-cluster.conf)", self.namespace,
+                            self._display_url, policy)
+                return
 
     # -- the BlockStore protocol ----------------------------------------------------
 
