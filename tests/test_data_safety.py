@@ -219,6 +219,9 @@ def test_an_engine_opening_a_redis_that_may_evict_held_blocks_says_so(policy, ca
                                 janitor=False)
         store.close()
         reader.close()
+    with RedisServer("--maxmemory-policy", policy) as server, \
+            caplog.at_level("WARNING", logger="r3cache.store"):
+        open_store(server.url, layout=LAYOUT, namespace="unbounded").close()  # evicts nothing
     said = [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
     if policy == "volatile-lru":
         assert said == []

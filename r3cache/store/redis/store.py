@@ -189,15 +189,17 @@ class RedisBlockStore:
                 self._lease = Lease(self)
 
     def _warn_of_eviction(self) -> None:
-        """Log each maxmemory-policy of the primaries that may evict keys without a TTL:
-        held blocks, their holds, owners' leases (their rows then read back as missing).
-        Under the safe policies only idle blocks, which carry a TTL, can be evicted."""
+        """Log a primary whose maxmemory-policy may evict keys without a TTL: held blocks,
+        their holds, owners' leases (their rows then read back as missing). Under the safe
+        policies only idle blocks, which carry a TTL, can be evicted; without maxmemory
+        none are."""
         for client in self._nodes.primaries():
             try:
-                policy = client.info("memory").get("maxmemory_policy")
+                memory = client.info("memory")
             except redis.exceptions.ResponseError:  # an ACL without INFO: nothing to tell
                 continue
-            if policy not in SAFE_POLICIES:
+            policy = memory.get("maxmemory_policy")
+            if int(memory.get("maxmemory", 0)) and policy not in SAFE_POLICIES:
                 log.warning("namespace %r: %s evicts with maxmemory-policy %s: under memory "
                             "pressure Redis may evict held blocks and the holds themselves; "
                             "set volatile-lru (deploy/redis-cluster.conf)", self.namespace,
