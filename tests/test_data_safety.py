@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -412,6 +413,37 @@ def test_an_owner_stalled_past_its_lease_yields_its_name_and_leaves_the_new_hold
         process.kill()
         if restarted is not None:
             restarted.close()
+
+
+def test_an_owner_name_a_janitor_is_reclaiming_is_taken_once_it_is_done(redis_url, namespace):
+    probe = open_store(redis_url, layout=LAYOUT, namespace=namespace, lease=False,
+                       janitor=False)
+    owners = probe.keys.owners
+    client = probe.client_for(owners)
+    # A crashed process of this host, its holds being dropped by another process's janitor:
+    # taking the name at once would let those drops take the new incarnation's holds. (A
+    # store that runs the janitor as it opens finishes the reclaim itself.)
+    client.hset(owners, "engine-0", f"0 host={socket.gethostname()} pid=999999999 started=0")
+    timer = threading.Timer(0.5, client.hdel, (owners, "engine-0"))
+    timer.start()
+    began = time.monotonic()
+    first = open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="engine-0",
+                       janitor=False)
+    after_janitor = time.monotonic() - began
+    # A janitor that never finishes is waited for one lease.
+    client.hset(owners, "engine-1", "0 host=elsewhere pid=1 started=0")
+    began = time.monotonic()
+    second = open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="engine-1",
+                        lease_ttl=1.0, janitor=False)
+    after_lease = time.monotonic() - began
+    try:
+        assert 0.4 < after_janitor < 2 and 0.9 < after_lease < 2.5
+        assert f"pid={os.getpid()} " in client.hget(owners, "engine-1").decode()
+    finally:
+        timer.cancel()
+        first.close()
+        second.close()
+        probe.close()
 
 
 def test_holds_written_after_a_restart_without_persistence_stay_reclaimable(reliability):

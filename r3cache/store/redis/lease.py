@@ -86,7 +86,8 @@ class Lease:
                     f"live store ({_info(entry)}): holds are counted per owner, and two "
                     "stores under one name would overwrite each other's; give every "
                     "engine an owner of its own (or leave owner unset)")
-            if self._gone(entry):
+            # Not while a janitor reclaims it: its drops could take this one's new holds.
+            if left >= 0 and self._gone(entry):
                 earlier = entry
                 continue
             if seen is None:
@@ -106,7 +107,7 @@ class Lease:
         """Whether a live store of this process wrote ``entry``."""
         text, owner = _info(entry), self._store.owner
         return any(lease._info == text and lease._store.owner == owner
-                   for lease in list(_LIVE))
+                   and lease._key == self._key for lease in list(_LIVE))
 
     def _gone(self, entry: str) -> bool:
         """Whether ``entry`` is an earlier incarnation's that is gone for sure: a process
