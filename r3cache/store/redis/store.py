@@ -180,7 +180,8 @@ class RedisBlockStore:
                 for script in SCRIPTS.values():
                     client.script_load(script.source)
             self._open_namespace()
-            if options.janitor:  # once an engine (its helper process opens without)
+            # Once an engine: its helper process opens without the janitor and this check.
+            if options.janitor:
                 from r3cache.store.redis.janitor import reclaim_dead_owners
 
                 reclaim_dead_owners(self)
