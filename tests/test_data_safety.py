@@ -38,6 +38,7 @@ from r3cache.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
+from r3cache.integrations import engine
 from r3cache.manifest import BlockRef, Completion, Manifest
 from r3cache.sim import oracle_rows
 from r3cache.store.redis.janitor import holders, reclaim_dead_owners
@@ -353,6 +354,23 @@ def test_a_second_live_store_under_one_owner_name_is_refused_and_the_first_keeps
     finally:
         process.kill()
         first.close()
+
+
+def test_the_data_parallel_ranks_of_an_engine_given_one_owner_name_hold_apart(
+        redis_url, namespace):
+    # vLLM's and SGLang's ranks read one R3CACHE_URL: its owner= names each rank apart.
+    url = f"{redis_url}?owner=engine-a"
+    ranks = [open_store(url, layout=LAYOUT, namespace=namespace,
+                        **engine.rank_owner(url, rank, 2)) for rank in range(2)]
+    try:
+        for store in ranks:
+            store.put({"h4": blk(4)}, retain_keys=["h4"])
+        assert [s.owner for s in ranks] == ["engine-a-dp0", "engine-a-dp1"]
+        assert _holders_of(ranks[0], "h4") == {"engine-a-dp0", "engine-a-dp1"}
+        assert engine.rank_owner(url, 0, 1) == {} and engine.rank_owner(redis_url, 1, 2) == {}
+    finally:
+        for store in ranks:
+            store.close()
 
 
 STALLED_OWNER = """

@@ -1,5 +1,6 @@
 """What every engine plugin reads from its environment: R3CACHE_URL and its options, the
-default namespace, R3CACHE_INLINE and R3CACHE_METRICS_PORT."""
+default namespace, each data-parallel rank's owner name, R3CACHE_INLINE and
+R3CACHE_METRICS_PORT."""
 
 from __future__ import annotations
 
@@ -44,6 +45,16 @@ def embedded(url: str) -> bool:
 def url_sets(url: str, option: str) -> bool:
     """Whether the store URL's query gives ``option``."""
     return any(key == option for key, _ in parse_qsl(urlsplit(url).query))
+
+
+def rank_owner(url: str, rank: int, ranks: int) -> dict[str, str]:
+    """The store options that give each of an engine's data-parallel ranks an owner name of
+    its own where the store URL fixes one: ``owner=X`` becomes ``X-dp<rank>`` when there
+    are several ranks. The ranks share one R3CACHE_URL, and two live stores cannot share a
+    name (each would overwrite the other's hold counts); a rank restarted as that rank
+    still takes back its crashed predecessor's name."""
+    owner = dict(parse_qsl(urlsplit(url).query)).get("owner")
+    return {"owner": f"{owner}-dp{rank}"} if owner and ranks > 1 else {}
 
 
 def inline() -> bool:

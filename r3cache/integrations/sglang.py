@@ -144,8 +144,10 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
     args = scheduler.server_args
     namespace = os.environ.get("R3CACHE_NAMESPACE") or engine.default_namespace(
         args.served_model_name, args.model_path, args.revision)
+    rank = getattr(parallel, "dp_rank", None) or getattr(parallel, "attn_dp_rank", 0) or 0
     store = open_store(url, layout=layout, namespace=namespace,
-                       hash_algo=options.pop("hash_algo", "sha256"))
+                       hash_algo=options.pop("hash_algo", "sha256"),
+                       **engine.rank_owner(url, rank, getattr(args, "dp_size", 1) or 1))
     try:
         _STATE.publisher = RequestPublisher(layout=layout, store=store, **options)
     except BaseException:
@@ -153,8 +155,7 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
         raise
     atexit.register(_close)  # a scheduler that exits normally writes what is pending
     _STATE.inline = engine.inline()
-    server = engine.serve_metrics(
-        getattr(parallel, "dp_rank", None) or getattr(parallel, "attn_dp_rank", 0) or 0)
+    server = engine.serve_metrics(rank)
     if server is not None:
         log.info("r3cache: metrics on port %s (/metrics)", server.server_port)
     log.info("r3cache: routed experts of %s go to %r (namespace %r, layout %s)",

@@ -420,7 +420,9 @@ def worker_connector(model, vllm_config, kv_cache_config) -> VllmWorkerConnector
     url, connector_options = split_url(os.environ["R3CACHE_URL"])
     namespace = os.environ.get("R3CACHE_NAMESPACE") or default_namespace(
         vllm_config.model_config)
-    store_options = {}
+    parallel = vllm_config.parallel_config
+    store_options = engine.rank_owner(url, parallel.data_parallel_rank,
+                                      parallel.data_parallel_size)
     embedded = engine.embedded(url)
     depth = vllm_config.max_concurrent_batches
     max_num_seqs = vllm_config.scheduler_config.max_num_seqs
@@ -451,7 +453,7 @@ def worker_connector(model, vllm_config, kv_cache_config) -> VllmWorkerConnector
     if embedded and not engine.inline():
         log.warning("r3cache: R3CACHE_INLINE=0 on memory://: responses carry no routes, and "
                     "no trainer can read a store inside the engine; use a Redis URL")
-    _publish_metrics(vllm_config.parallel_config.data_parallel_rank_local or 0)
+    _publish_metrics(parallel.data_parallel_rank_local or 0)
     return VllmWorkerConnector(worker)
 
 
