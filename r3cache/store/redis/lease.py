@@ -175,7 +175,8 @@ class Lease:
 
     def ours(self) -> bool:
         """Whether the registry's entry for the owner name is this incarnation's (absent
-        counts: a lease lost with Redis's data is still this store's)."""
+        counts: a lease lost with Redis's data is still this store's); where it is not,
+        ``taken`` is set, as a heartbeat would set it."""
         entry = self._store.call(self._key, "HGET", self._key, self._store.owner)
         self.taken = self.taken or (entry is not None and _info(entry.decode()) != self._info
                                     and _info(entry.decode()) != JANITOR_FOUND)
