@@ -327,11 +327,10 @@ class ProcessWriter:
                     began = began or time.monotonic()
                     self._await_reply(deadline)
                     start = self._ring.place(len(keys))
-                # One C call (stack adds a Python step per block). Every argument was
-                # checked by its only callers: the tier (check_put, then its local put)
-                # and the publisher (its rows, manifests of its own making).
-                np.concatenate(rows, out=self._ring.view(start, len(keys)).reshape(
-                    -1, *self.layout.row_shape))
+                # Every argument was checked by its only callers: the tier (check_put,
+                # then its local put) and the publisher (its rows, manifests of its own
+                # making).
+                self._ring.write(start, rows)
             item = pickle.dumps(("put", keys, start, retain, release, manifests),
                                 protocol=pickle.HIGHEST_PROTOCOL)
             item = self._hand_over(_framed(item))
