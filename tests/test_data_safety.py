@@ -464,6 +464,30 @@ def test_an_owner_name_a_janitor_is_reclaiming_is_taken_once_it_is_done(redis_ur
         probe.close()
 
 
+def test_an_owner_closing_before_it_claims_the_janitors_entry_frees_its_name(
+        redis_url, namespace):
+    probe = open_store(redis_url, layout=LAYOUT, namespace=namespace, lease=False,
+                       janitor=False)
+    owners = probe.keys.owners
+    first = open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="engine-0",
+                       lease_ttl=20, janitor=False)
+    first.put({"h1": blk(1)}, ["h1"])
+    # Its entry lost (a Redis restarted without persistence), a janitor finds its holds
+    # before its next heartbeat: an entry with one lease of grace, in the janitor's name.
+    probe.client_for(owners).hdel(owners, "engine-0")
+    assert reclaim_dead_owners(probe).live_owners == ("engine-0",)
+    first.close()  # its holds go, and the janitor's entry for them with them
+    began = time.monotonic()
+    second = open_store(redis_url, layout=LAYOUT, namespace=namespace, owner="engine-0",
+                        lease_ttl=20, janitor=False)
+    try:
+        assert time.monotonic() - began < 2  # not the 20 s the janitor's entry had left
+        assert _holders_of(probe, "h1") == set() and pttl(probe, "h1") > 0
+    finally:
+        second.close()
+        probe.close()
+
+
 def test_holds_written_after_a_restart_without_persistence_stay_reclaimable(reliability):
     with RedisServer() as server:
         process = _owner_process(server.url, "restart", "engine-r")

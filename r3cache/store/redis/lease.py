@@ -183,7 +183,8 @@ class Lease:
         return not self.taken
 
     def unregister(self) -> None:
-        """Drop the entry if it is still this incarnation's."""
+        """Drop the entry if it is still this incarnation's, or the janitor's for the
+        holds this store has just dropped."""
         self._register("close")
 
 

@@ -139,12 +139,15 @@ local JANITOR_FOUND = '""" + JANITOR_FOUND + """'
 # (returns 0); re-registers an owner whose entry is gone, after a reclaim or a Redis
 # restart without persistence (returns -1: its holds must be applied again); returns -2,
 # changing nothing, where another incarnation registered the name.
-# close: drops the entry if it is this incarnation's (returns 1), else 0.
+# close: drops the entry if it is this incarnation's, or the janitor's for this owner's
+# holds (the closing store drops them first), and returns 1; else 0.
 REGISTER = _HOLDS_SHEBANG + _NOW + """
 local key, owner, ttl, text, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local old = redis.call('HGET', key, owner)
 if mode == 'close' then
-  if old and info(old) == text then return redis.call('HDEL', key, owner) end
+  if old and (info(old) == text or info(old) == JANITOR_FOUND) then
+    return redis.call('HDEL', key, owner)
+  end
   return 0
 end
 local now = now_ms(ARGV[6])

@@ -597,9 +597,9 @@ class RedisBlockStore:
                     # holds under it now: its holds are not this store's to drop.
                     if self._lease.ours():
                         drop_holds(self, [self.owner], [self.keys.refs(k) for k in held])
+                        self._lease.unregister()
                     self._holds.clear()
                     self._uncertain.clear()
-                    self._lease.unregister()
         finally:
             self._nodes.close()
 
