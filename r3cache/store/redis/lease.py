@@ -178,8 +178,8 @@ class Lease:
         counts: a lease lost with Redis's data is still this store's); where it is not,
         ``taken`` is set, as a heartbeat would set it."""
         entry = self._store.call(self._key, "HGET", self._key, self._store.owner)
-        self.taken = self.taken or (entry is not None and _info(entry.decode()) != self._info
-                                    and _info(entry.decode()) != JANITOR_FOUND)
+        if entry is not None and _info(entry.decode()) not in (self._info, JANITOR_FOUND):
+            self.taken = True
         return not self.taken
 
     def unregister(self) -> None:
