@@ -153,9 +153,13 @@ class RedisClusterProcesses:
             for i in range(6):
                 node_dir = self.dir / f"node{i}"
                 node_dir.mkdir()
+                # A replica's first sync starts at once: by default a primary waits 5 s
+                # for more replicas to share one transfer, and each start (or a node's
+                # rejoin after a failover) would wait that long for its replica.
                 cluster_args = ([] if self.config_file else [
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", str(self.node_timeout_ms)])
+                    "--cluster-node-timeout", str(self.node_timeout_ms),
+                    "--repl-diskless-sync-delay", "0"])
                 self.nodes.append(RedisServer(
                     *cluster_args, *self.args, directory=node_dir, config_file=self.config_file,
                 ).start())

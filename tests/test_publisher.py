@@ -163,7 +163,7 @@ def test_a_stalled_redis_is_answered_within_store_wait(tmp_path, namespace, layo
             store_wait=0.5, max_pending=4)
         # 250 blocks a request: the helper's socket and queue fill after a few dozen.
         tokens, rows = list(range(1000, 2001)), _routes(layout, 1000, seed=0)
-        server.kill(signal.SIGSTOP)
+        server.process.send_signal(signal.SIGSTOP)  # stalled, not gone
         try:
             began = time.monotonic()
             with pytest.raises(StoreUnavailableError):
@@ -171,7 +171,7 @@ def test_a_stalled_redis_is_answered_within_store_wait(tmp_path, namespace, layo
                     publisher.publish(f"r{i}", tokens, rows)
             assert time.monotonic() - began < 5.0
         finally:
-            server.kill(signal.SIGCONT)
+            server.process.send_signal(signal.SIGCONT)
         with contextlib.suppress(R3Error):  # what the store refused may be said again
             publisher.close()
 
