@@ -516,7 +516,7 @@ STALLS = {
 
 def _stalled_run(server, policy: str, stall: str):
     """A simulator run at 6 ms a step (about 4.5 s) while Redis stalls or goes down 0.1 s
-    in, for about 3 s."""
+    in, for about 3 s; the event is set once Redis answers again."""
     from r3cache import WorkerConnector
     from r3cache.sim import Engine
 
@@ -529,18 +529,22 @@ def _stalled_run(server, policy: str, stall: str):
     workload = grpo_workload(num_prompts=6, samples=4, system_len=32, prompt_len=(16, 80),
                              output_len=(40, 200), vocab=5000, seed=3)
 
+    over = threading.Event()
+
     def fault():
         time.sleep(0.1)
-        STALLS[stall](server)
+        STALLS[stall](server)  # DEBUG SLEEP returns when the stall ends
+        if stall != "sleep":
+            time.sleep(3.1)
         if stall == "down":
-            time.sleep(3)
             server.start()
+        over.set()
 
     threading.Thread(target=fault, daemon=True).start()
     engine = Engine(LAYOUT, worker, SimConfig(max_num_seqs=4, max_num_batched_tokens=64,
                                               keep_manifests=True, verify_manifests=False,
                                               seed=3, forward_seconds=0.006))
-    return engine, worker, workload
+    return engine, worker, workload, over
 
 
 def _server(stall: str, tmp_path) -> RedisServer:
@@ -557,7 +561,7 @@ def test_a_stalled_redis_raises_at_the_next_step_within_the_bound(stall, tmp_pat
 
     (tmp_path / stall).mkdir()
     server = _server(stall, tmp_path)
-    engine, worker, workload = _stalled_run(server, "raise", stall)
+    engine, worker, workload, over = _stalled_run(server, "raise", stall)
     began = time.monotonic()
     # Not the writer's failure: it writes the refused batch again once Redis answers.
     with pytest.raises(StoreUnavailableError):
@@ -568,7 +572,7 @@ def test_a_stalled_redis_raises_at_the_next_step_within_the_bound(stall, tmp_pat
     reliability(f"Redis {stall} (3 s), policy raise", "simulator, 24 requests",
                 "typed error at the next step; no store call waits over the 0.3 s bound",
                 f"raised after {raised_after:.2f} s; slowest step {slowest:.2f} s")
-    time.sleep(3.2)
+    assert over.wait(10)  # the stall ends
     with contextlib.suppress(R3Error):
         worker.close()  # what the store refused is gone; it may say so again
     server.stop()
@@ -581,7 +585,7 @@ def test_a_stalled_redis_marks_requests_incomplete_and_the_run_goes_on(stall, tm
 
     (tmp_path / stall).mkdir()
     server = _server(stall, tmp_path)
-    engine, worker, workload = _stalled_run(server, "incomplete", stall)
+    engine, worker, workload, over = _stalled_run(server, "incomplete", stall)
     report = engine.run(workload)
     # Every request got its rows online, and a dropped batch's pins went with the next:
     # the store holds exactly what the engine does (nothing, once the run ends).
@@ -594,7 +598,7 @@ def test_a_stalled_redis_marks_requests_incomplete_and_the_run_goes_on(stall, tm
     waited = sum(s >= 0.2 for s in report.step_seconds)
     assert stall == "down" or waited <= 3, waited
     dropped = worker.store.remote.dropped_batches
-    time.sleep(3.2)  # the stall ends
+    assert over.wait(10)  # the stall ends
     worker.close()
     complete = incomplete = 0
     with R3Reader(server.url, namespace="stall-incomplete") as reader:

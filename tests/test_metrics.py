@@ -178,7 +178,7 @@ def test_a_stalled_redis_shows_as_waits_drops_and_typed_errors(policy, tmp_path)
                 for s in f.samples if s.labels.get("namespace") == f"stall-{policy}"}
 
     before = scrape()  # tests/test_faults.py may have used this namespace already
-    engine, worker, workload = _stalled_run(server, policy, "pause")
+    engine, worker, workload, over = _stalled_run(server, policy, "pause")
     with contextlib.suppress(R3Error):  # "raise": the typed error ends the run
         engine.run(workload)
     after = scrape()
@@ -192,7 +192,7 @@ def test_a_stalled_redis_shows_as_waits_drops_and_typed_errors(policy, tmp_path)
     else:
         assert grew[("r3cache_dropped_batches_total", None)] == \
             worker.store.remote.dropped_batches > 0
-    time.sleep(3.2)  # the pause ends
+    assert over.wait(10)  # the pause ends
     with contextlib.suppress(R3Error):
         worker.close()
     server.stop()
