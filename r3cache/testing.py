@@ -153,13 +153,13 @@ class RedisClusterProcesses:
             for i in range(6):
                 node_dir = self.dir / f"node{i}"
                 node_dir.mkdir()
-                # A replica's first sync starts at once: by default a primary waits 5 s
-                # for more replicas to share one transfer, and each start (or a node's
-                # rejoin after a failover) would wait that long for its replica.
+                # As deploy/redis-cluster.conf: a primary's one replica syncs as soon as it
+                # connects, not after the default 5 s wait for more replicas (which every
+                # start, and every node's rejoin after a failover, would wait out).
                 cluster_args = ([] if self.config_file else [
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(self.node_timeout_ms),
-                    "--repl-diskless-sync-delay", "0"])
+                    "--repl-diskless-sync-max-replicas", "1"])
                 self.nodes.append(RedisServer(
                     *cluster_args, *self.args, directory=node_dir, config_file=self.config_file,
                 ).start())

@@ -102,6 +102,7 @@ def test_the_node_settings_make_a_working_durable_cluster():
         assert config["appendonly"] == "yes" and config["appendfsync"] == "everysec"
         assert config["maxmemory-policy"] == "volatile-lru"
         assert config["cluster-node-timeout"] == "5000"
+        assert config["repl-diskless-sync-max-replicas"] == "1"
         assert int(config["maxmemory"]) == 8 << 30
         assert len(cluster.primaries()) == 3
         layout = RoutingLayout(2, 2, 8, 4)
