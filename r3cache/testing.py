@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 def _port_free(port: int) -> bool:
@@ -88,9 +90,12 @@ class RedisServer:
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
+        # One try a poll: redis-py retries a refused connection (an AuthenticationError
+        # too) with backoff, seconds in all, and this loop polls every 20 ms itself.
+        once = Retry(NoBackoff(), 0)
         while True:
             try:
-                if self.client(socket_timeout=1).ping():
+                if self.client(socket_timeout=1, retry=once).ping():
                     return
             except redis.exceptions.AuthenticationError:
                 return  # it answers; it wants credentials
