@@ -74,7 +74,7 @@ def check_random_workload(store_url, writer, seed, block_size, spec, reject_prob
 
 
 # The store URL is a plain string per backend, safe to share between examples.
-@settings(max_examples=150, deadline=None, suppress_health_check=SLOW_OK)
+@settings(max_examples=100, deadline=None, suppress_health_check=SLOW_OK)
 @given(**WORKLOAD)
 def test_random_workloads_get_exactly_their_oracle_rows(store_url, **drawn):
     # Redis behind a writer thread; the embedded store written in place (its default).
