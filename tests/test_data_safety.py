@@ -517,6 +517,39 @@ def test_holds_written_after_a_restart_without_persistence_stay_reclaimable(reli
                     "metadata back within one heartbeat; 2 holds dropped by the janitor")
 
 
+def test_holds_a_heartbeat_could_not_apply_again_are_applied_by_a_later_one(reliability):
+    """Redis loses its data under a live owner, and the heartbeat that registers it again
+    cannot apply its holds again (for a while its user may not touch reference counts):
+    a later heartbeat applies them, though it finds the entry that one registered."""
+    with RedisServer() as server:
+        admin = server.client()
+        admin.execute_command("ACL", "SETUSER", "engine", "on", ">engine-pw", "~r3:*", "+@all")
+        store = open_store(f"redis://engine:engine-pw@127.0.0.1:{server.port}/0",
+                           layout=LAYOUT, namespace="reapply", owner="engine-a", lease_ttl=0.6)
+        try:
+            store.put({"k": blk(1)}, ["k"])
+            admin.execute_command("ACL", "SETUSER", "engine", "resetkeys", "~r3:namespaces",
+                                  "~r3:reapply:meta", "~r3:reapply:owners", "~r3:reapply:b:*")
+            admin.flushall()
+            wait_for(lambda: admin.hexists("r3:reapply:owners", "engine-a"), 5,
+                     "the owner to register again")
+            time.sleep(0.5)  # heartbeats every 0.2 s, each refused the reference counts
+            assert not admin.exists("r3:reapply:r:{k}") and store._lease.renewals == 0
+            admin.execute_command("ACL", "SETUSER", "engine", "~r3:*")
+            began = time.monotonic()
+            wait_for(lambda: admin.hexists("r3:reapply:r:{k}", "engine-a"), 5,
+                     "the holds to be applied again")
+            assert store.refcount("k") == 1 and store._lease.renewals == 1
+            reliability("Redis loses its data under a live owner, whose holds cannot be "
+                        "applied again for 0.5 s (ACL)", "1 held block", "a later heartbeat "
+                        "applies them; the renewal counts once they are back",
+                        f"applied {time.monotonic() - began:.2f} s after access returned; "
+                        "1/1 hold back")
+        finally:
+            admin.execute_command("ACL", "SETUSER", "engine", "~r3:*")
+            store.close()
+
+
 def test_holders_unknown_to_the_registry_are_reclaimed_after_a_grace_lease(
         redis_url, namespace, reliability):
     store = open_store(redis_url, layout=LAYOUT, namespace=namespace, lease_ttl=1,

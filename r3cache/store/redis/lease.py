@@ -46,7 +46,10 @@ class Lease:
         self._ttl_ms = int(store.options.lease_ttl * 1000)
         self._key = store.keys.owners
         self._stop = threading.Event()
-        self.renewals = 0  # heartbeats that found the entry gone and registered again
+        self.renewals = 0  # times the entry was found gone, and the holds applied again
+        # Set once a heartbeat registered again, until the holds are back: that beat's
+        # entry is there for every later one, which would not find it gone again.
+        self._holds_lost = False
         self.taken = False  # another incarnation registered this owner name
         self._info = (f"host={socket.gethostname()} pid={os.getpid()} "
                       f"started={int(time.time())}")
@@ -142,12 +145,16 @@ class Lease:
             log.error("namespace %r: owner %r was registered by another store after this "
                       "one's lease ran out (stalled?); this store holds nothing any more and "
                       "refuses writes", store.namespace, store.owner)
-        elif state == -1:
-            self.renewals += 1
+            return
+        if state == -1:
+            self._holds_lost = True
             log.warning("namespace %r: owner %r found its lease gone (reclaimed after a "
                         "stall, or Redis lost its data); registered again and re-applying "
                         "its holds", store.namespace, store.owner)
+        if self._holds_lost:  # a re-application that failed is tried again at each beat
             store.restore(holds=True)
+            self._holds_lost = False
+            self.renewals += 1
         elif not store.call(store.keys.meta, "EXISTS", store.keys.meta):
             store.restore(holds=False)
 
