@@ -25,6 +25,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from r3cache.errors import ContractError
+
 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -117,6 +119,10 @@ class RedisServer:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Stop the process with ``sig`` (SIGKILL by default) and wait for it to go."""
+        if sig in (signal.SIGSTOP, signal.SIGTSTP, signal.SIGCONT):
+            # The process would not go: the wait would end in a SIGKILL 10 s later.
+            raise ContractError(f"kill() ends the server; stall it with "
+                                f"process.send_signal({signal.Signals(sig).name})")
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(sig)
             try:
