@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -294,6 +295,40 @@ def test_credentials_are_checked_and_never_shown(namespace, reliability):
         reliability("requirepass and an ACL user; a wrong password",
                     "open, put, read", "wrong credentials -> StoreAccessError; no password "
                     "in repr or errors", "checked: repr and message free of the secret")
+
+
+def test_refused_credentials_are_answered_on_the_first_try(namespace, cluster, reliability):
+    # A refusal is final: each retry would be refused again, after its backoff (an engine
+    # or a trainer waited 0.7 s and 3.2 s for StoreAccessError, and made 4 and 16
+    # connections). The server counts the connections each open made.
+    with RedisServer("--requirepass", "s3cret-pw") as server:
+        admin = server.client(password="s3cret-pw")
+        for url in (f"redis://:wrong@127.0.0.1:{server.port}/0",
+                    f"redis://127.0.0.1:{server.port}/0"):  # no password at all
+            for opening in (partial(open_store, layout=LAYOUT, namespace=namespace),
+                            partial(R3Reader, namespace=namespace)):
+                before = admin.info("stats")["total_connections_received"]
+                with pytest.raises(StoreAccessError, match="refused"):
+                    opening(url)
+                assert admin.info("stats")["total_connections_received"] == before + 1
+    # A cluster's startup nodes refusing the credentials: refused, not unavailable.
+    nodes = [node.client() for node in cluster.nodes]
+    for node in nodes:
+        node.acl_setuser("r3-refused", enabled=True, passwords=["+right-pw"], keys=["*"],
+                         commands=["+@all"])
+    try:
+        hosts = cluster.url.split("://", 1)[1]
+        with pytest.raises(StoreAccessError, match="refused") as info:
+            open_store(f"redis+cluster://r3-refused:wrong-pw@{hosts}", layout=LAYOUT,
+                       namespace=namespace)
+        assert "wrong-pw" not in str(info.value)
+    finally:
+        for node in nodes:
+            node.acl_deluser("r3-refused")
+    reliability("a wrong or missing password; a cluster refusing the ACL user",
+                "open a store, open a reader", "StoreAccessError on the first try, never "
+                "StoreUnavailableError", "one connection per refused open (4 and 16 when "
+                "refusals were retried)")
 
 
 def test_unix_socket_urls(tmp_path, namespace):

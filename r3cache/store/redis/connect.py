@@ -18,7 +18,7 @@ from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
 from r3cache.store.redis.errors import redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, check_name
-from r3cache.store.redis.nodes import ClusterNodes, SingleNode, command
+from r3cache.store.redis.nodes import REFUSED, ClusterNodes, SingleNode, command, retryable
 from r3cache.store.redis.store import RedisBlockStore, RedisOptions, missing_namespace
 
 
@@ -117,7 +117,8 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
             _host_port(host)
     store_options, client_options = _split_options(dict(parse_qsl(parts.query)), options,
                                                    tls=parts.scheme.startswith("rediss"))
-    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), store_options.retries)
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), store_options.retries,
+                  is_retryable=retryable)
     client_options.setdefault("socket_timeout", 10.0)
     client_options.setdefault("socket_connect_timeout", 5.0)
     display = _display(parts)
@@ -138,6 +139,10 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
         try:
             cluster = RedisCluster(startup_nodes=startup, retry=retry, **client_options)
         except redis.exceptions.RedisClusterException as exc:
+            # redis-py wraps what the startup nodes answered: a refusal of the credentials
+            # (or of the ACL user's CLUSTER SLOTS) is StoreAccessError, not unavailability.
+            if isinstance(exc.__cause__, (*REFUSED, redis.exceptions.NoPermissionError)):
+                raise exc.__cause__ from None
             raise StoreUnavailableError(f"no Redis Cluster at {display}: {exc}") from None
     return ClusterNodes(cluster), store_options, display
 

@@ -13,7 +13,7 @@ from r3cache.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from r3cache.store.redis.nodes import is_topology_error
+from r3cache.store.redis.nodes import REFUSED, is_topology_error
 
 
 @contextmanager
@@ -24,7 +24,7 @@ def redis_errors(namespace: str | None, what: str) -> Iterator[None]:
         yield
     except StoreError:
         raise
-    except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
+    except (*REFUSED, redis.exceptions.NoPermissionError) as exc:
         raise StoreAccessError(f"{_where(namespace, what)} was refused: {exc}") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
             redis.exceptions.ClusterDownError, redis.exceptions.ClusterError,

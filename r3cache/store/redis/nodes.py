@@ -287,8 +287,8 @@ def execute(
                     yield groups[g], replies
             finally:
                 calls.close()
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            if attempt >= retries:
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            if attempt >= retries or not retryable(exc):
                 raise
             retry = [i for n, (_, groups, _) in enumerate(plan) for g, idx in enumerate(groups)
                      if (n, g) not in served for i in idx]
@@ -297,6 +297,17 @@ def execute(
         pending = retry
         _relearn(nodes, attempt)
         attempt += 1
+
+
+# Connection errors that trying again cannot mend: refused credentials, a refused TLS
+# certificate (redis-py raises both as ConnectionErrors).
+REFUSED = (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)
+
+
+def retryable(exc: Exception) -> bool:
+    """Whether a connection error may pass if tried again: not a refusal, so an engine
+    with a wrong password gets StoreAccessError at once, not after the retries' backoff."""
+    return not isinstance(exc, REFUSED)
 
 
 def hash_reply(reply) -> dict:
