@@ -331,6 +331,34 @@ def test_refused_credentials_are_answered_on_the_first_try(namespace, cluster, r
                 "refusals were retried)")
 
 
+def test_a_url_of_the_wrong_kind_of_server_is_a_contract_error_at_once(cluster, reliability):
+    # A cluster node named by a redis:// URL redirects keys it does not serve, and refuses
+    # scripts over keys of other nodes' slots: that waited out TOPOLOGY_WAIT (10 s) as a
+    # "moving cluster", then raised StoreUnavailableError. Which keys open touches on
+    # which node depends on the namespace's slots: this name touches another primary's
+    # slots from each of the three.
+    namespace = "r3cache-test-wrong-scheme"
+    try:
+        for node in cluster.nodes[:3]:
+            with pytest.raises(ContractError, match=r"Redis Cluster node.*redis\+cluster://"):
+                open_store(f"redis://127.0.0.1:{node.port}/0", layout=LAYOUT,
+                           namespace=namespace)
+    finally:
+        # The namespace's metadata lands where its slot's node took it.
+        client = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+        client.delete(f"r3:{namespace}:meta")
+        client.srem(NAMESPACES_KEY, namespace)
+        client.close()
+    with RedisServer() as server, pytest.raises(ContractError,
+                                                match=r"not a Redis Cluster.*redis://"):
+        open_store(f"redis+cluster://127.0.0.1:{server.port}", layout=LAYOUT,
+                   namespace=namespace)
+    reliability("a redis:// URL naming a cluster node; redis+cluster:// naming a standalone "
+                "server", "open a store", "ContractError naming the URL scheme to use, "
+                "without waiting", "ContractError from each primary and from the standalone "
+                "server (a cluster node's redirects waited 10 s for StoreUnavailableError)")
+
+
 def test_unix_socket_urls(tmp_path, namespace):
     sock = tmp_path / "redis.sock"
     with RedisServer("--unixsocket", str(sock), "--unixsocketperm", "700"):

@@ -143,6 +143,10 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
             # (or of the ACL user's CLUSTER SLOTS) is StoreAccessError, not unavailability.
             if isinstance(exc.__cause__, (*REFUSED, redis.exceptions.NoPermissionError)):
                 raise exc.__cause__ from None
+            if "Cluster mode is not enabled" in str(exc):
+                raise ContractError(f"{display} is not a Redis Cluster (cluster mode is "
+                                    "disabled there); open the store with a redis:// URL"
+                                    ) from None
             raise StoreUnavailableError(f"no Redis Cluster at {display}: {exc}") from None
     return ClusterNodes(cluster), store_options, display
 

@@ -13,6 +13,8 @@ from hiredis import pack_command
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
+from r3cache.errors import ContractError
+
 CHUNK = 512  # keys per command group: bounds how long one call occupies the server
 # Seconds a round keeps retrying, past its retries, while replies say that the cluster is
 # moving slots (a reshard: new keys of a migrating slot are refused until it has moved)
@@ -231,6 +233,10 @@ _TOPOLOGY = (redis.exceptions.MovedError, redis.exceptions.AskError,
              redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
              redis.exceptions.ReadOnlyError, redis.exceptions.BusyLoadingError,
              redis.exceptions.MasterDownError)
+# Replies no standalone server gives (READONLY, LOADING and MASTERDOWN come from replicas).
+_CLUSTER_ONLY = (redis.exceptions.MovedError, redis.exceptions.AskError,
+                 redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+_CLUSTER_ONLY_TEXT = ("non local key", "cluster is down", "CLUSTERDOWN")
 _TOPOLOGY_TEXT = ("non local key", "cluster is down", "MOVED", "ASK", "READONLY",
                   "CLUSTERDOWN", "TRYAGAIN", "LOADING", "MASTERDOWN")
 
@@ -276,6 +282,8 @@ def execute(
                 for n, g, replies in calls.replies():
                     client, groups, built = plan[n]
                     if any(is_topology_error(r) for r in replies):
+                        if isinstance(nodes, SingleNode):
+                            _refuse_redirects(client, replies)
                         if moving_until is None:
                             moving_until = time.monotonic() + TOPOLOGY_WAIT
                         if attempt >= retries and time.monotonic() >= moving_until:
@@ -308,6 +316,21 @@ def retryable(exc: Exception) -> bool:
     """Whether a connection error may pass if tried again: not a refusal, so an engine
     with a wrong password gets StoreAccessError at once, not after the retries' backoff."""
     return not isinstance(exc, REFUSED)
+
+
+def _refuse_redirects(client: redis.Redis, replies: list[Any]) -> None:
+    """A standalone URL naming a cluster node: replies only a cluster node gives (a key it
+    does not serve redirected, a script's keys in slots of other nodes, the cluster
+    down) are not a topology change that waiting would see through."""
+    found = next((r for r in replies if isinstance(r, _CLUSTER_ONLY) or (
+        isinstance(r, redis.exceptions.ResponseError)
+        and any(text in str(r) for text in _CLUSTER_ONLY_TEXT))), None)
+    if found is not None:
+        kwargs = client.get_connection_kwargs()
+        where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
+        raise ContractError(
+            f"{where} is a Redis Cluster node ({type(found).__name__}: {found}); open the "
+            "store with a redis+cluster:// URL")
 
 
 def hash_reply(reply) -> dict:
