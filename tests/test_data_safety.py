@@ -231,6 +231,24 @@ def test_an_engine_opening_a_redis_that_may_evict_held_blocks_says_so(policy, ca
         assert len(said) == 1 and "allkeys-lru" in said[0] and "volatile-lru" in said[0]
 
 
+def test_an_engine_asking_for_more_replicas_than_a_primary_has_is_told(cluster_url, namespace,
+                                                                         caplog):
+    with RedisServer() as server, caplog.at_level("WARNING", logger="r3cache.store"):
+        store = open_store(f"{server.url}?wait_replicas=1&wait_timeout=0.05", layout=LAYOUT,
+                           namespace="replicas")
+        store.put({"k": blk(1)})  # stored, after waiting for a replica that is not there
+        assert store.stats().unreplicated == 1
+        store.close()
+        # The test cluster's primaries have one replica each: enough for 1, not for 2.
+        for wanted in (1, 2):
+            open_store(f"{cluster_url}?wait_replicas={wanted}", layout=LAYOUT,
+                       namespace=f"{namespace}-{wanted}").close()
+    said = [r.getMessage() for r in caplog.records if "wait_replicas" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "0 connected replica(s), wait_replicas=1" in said[0]
+    assert "1 connected replica(s), wait_replicas=2" in said[1]
+
+
 def test_a_heartbeat_goes_through_when_redis_is_out_of_memory(reliability):
     with RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
         owner = open_store(server.url, layout=WIDE, namespace="oom", lease_ttl=1)

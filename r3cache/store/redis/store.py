@@ -185,27 +185,39 @@ class RedisBlockStore:
                 from r3cache.store.redis.janitor import reclaim_dead_owners
 
                 reclaim_dead_owners(self)
-                self._warn_of_eviction()
+                self._warn_of_settings()
             if options.lease:
                 self._lease = Lease(self)
 
-    def _warn_of_eviction(self) -> None:
-        """Log a primary whose maxmemory-policy may evict keys without a TTL: held blocks,
-        their holds, owners' leases (their rows then read back as missing). Under the safe
-        policies only idle blocks, which carry a TTL, can be evicted; without maxmemory
-        none are."""
+    def _warn_of_settings(self) -> None:
+        """Log, once per setting, a primary whose settings undo what this store counts on:
+        a maxmemory-policy that may evict keys without a TTL (held blocks, their holds,
+        owners' leases: their rows then read back as missing; under the safe policies only
+        idle blocks, which carry a TTL, can be evicted, and without maxmemory none are),
+        and fewer replicas than ``wait_replicas`` (every write would wait ``wait_timeout``
+        for acknowledgements that cannot come)."""
+        evicting = short = False
         for client in self._nodes.primaries():
             try:
                 memory = client.info("memory")
+                replication = client.info("replication")
             except redis.exceptions.ResponseError:  # an ACL without INFO: nothing to tell
                 continue
             policy = memory.get("maxmemory_policy")
-            if int(memory.get("maxmemory", 0)) and policy not in SAFE_POLICIES:
+            if not evicting and int(memory.get("maxmemory", 0)) and policy not in SAFE_POLICIES:
+                evicting = True
                 log.warning("namespace %r: %s evicts with maxmemory-policy %s: under memory "
                             "pressure Redis may evict held blocks and the holds themselves; "
                             "set volatile-lru (deploy/redis-cluster.conf)", self.namespace,
                             self._display_url, policy)
-                return
+            replicas = int(replication.get("connected_slaves", 0))
+            if not short and replicas < self.options.wait_replicas:
+                short = True
+                log.warning("namespace %r: a primary of %s has %d connected replica(s), "
+                            "wait_replicas=%d: each write waits wait_timeout (%g s) and is "
+                            "counted unreplicated until enough replicas connect",
+                            self.namespace, self._display_url, replicas,
+                            self.options.wait_replicas, self.options.wait_timeout)
 
     # -- the BlockStore protocol ----------------------------------------------------
 
