@@ -24,6 +24,9 @@ SUITE = ["tests/test_faults.py", "tests/test_corruption.py", "tests/test_acl.py"
          "tests/test_redis_store.py::test_a_crashed_owners_holds_are_reclaimed_after_its_lease",
          "tests/test_redis_store.py::test_tls_urls_with_a_self_signed_ca",
          "tests/test_redis_store.py::test_credentials_are_checked_and_never_shown",
+         "tests/test_redis_store.py::test_refused_credentials_are_answered_on_the_first_try",
+         "tests/test_redis_store.py::"
+         "test_a_url_of_the_wrong_kind_of_server_is_a_contract_error_at_once",
          "tests/test_process_writer.py", "tests/test_codec.py", "tests/test_data_safety.py"]
 
 
