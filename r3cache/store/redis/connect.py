@@ -117,8 +117,11 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
             _host_port(host)
     store_options, client_options = _split_options(dict(parse_qsl(parts.query)), options,
                                                    tls=parts.scheme.startswith("rediss"))
-    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), store_options.retries,
-                  is_retryable=retryable)
+    backoff = ExponentialBackoff(cap=1.0, base=0.05)
+    try:
+        retry = Retry(backoff, store_options.retries, is_retryable=retryable)
+    except TypeError:  # redis-py before 8.2 takes no checker: it retries refusals too
+        retry = Retry(backoff, store_options.retries)
     client_options.setdefault("socket_timeout", 10.0)
     client_options.setdefault("socket_connect_timeout", 5.0)
     display = _display(parts)
