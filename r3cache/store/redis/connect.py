@@ -16,9 +16,9 @@ from redis.retry import Retry
 
 from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
-from r3cache.store.redis.errors import redis_errors
+from r3cache.store.redis.errors import ACCESS_REFUSED, redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, check_name
-from r3cache.store.redis.nodes import REFUSED, ClusterNodes, SingleNode, command, retryable
+from r3cache.store.redis.nodes import ClusterNodes, SingleNode, command, retryable
 from r3cache.store.redis.store import RedisBlockStore, RedisOptions, missing_namespace
 
 
@@ -144,7 +144,7 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
         except redis.exceptions.RedisClusterException as exc:
             # redis-py wraps what the startup nodes answered: a refusal of the credentials
             # (or of the ACL user's CLUSTER SLOTS) is StoreAccessError, not unavailability.
-            if isinstance(exc.__cause__, (*REFUSED, redis.exceptions.NoPermissionError)):
+            if isinstance(exc.__cause__, ACCESS_REFUSED):
                 raise exc.__cause__ from None
             if "Cluster mode is not enabled" in str(exc):
                 raise ContractError(f"{display} is not a Redis Cluster (cluster mode is "

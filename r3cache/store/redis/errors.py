@@ -15,6 +15,9 @@ from r3cache.errors import (
 )
 from r3cache.store.redis.nodes import REFUSED, is_topology_error
 
+# What a server answers to credentials or an ACL user it refuses.
+ACCESS_REFUSED = (*REFUSED, redis.exceptions.NoPermissionError)
+
 
 @contextmanager
 def redis_errors(namespace: str | None, what: str) -> Iterator[None]:
@@ -24,7 +27,7 @@ def redis_errors(namespace: str | None, what: str) -> Iterator[None]:
         yield
     except StoreError:
         raise
-    except (*REFUSED, redis.exceptions.NoPermissionError) as exc:
+    except ACCESS_REFUSED as exc:
         raise StoreAccessError(f"{_where(namespace, what)} was refused: {exc}") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
             redis.exceptions.ClusterDownError, redis.exceptions.ClusterError,

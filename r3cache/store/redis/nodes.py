@@ -283,7 +283,7 @@ def execute(
                     client, groups, built = plan[n]
                     if any(is_topology_error(r) for r in replies):
                         if isinstance(nodes, SingleNode):
-                            _refuse_redirects(client, replies)
+                            _refuse_cluster_replies(client, replies)
                         if moving_until is None:
                             moving_until = time.monotonic() + TOPOLOGY_WAIT
                         if attempt >= retries and time.monotonic() >= moving_until:
@@ -318,7 +318,7 @@ def retryable(exc: Exception) -> bool:
     return not isinstance(exc, REFUSED)
 
 
-def _refuse_redirects(client: redis.Redis, replies: list[Any]) -> None:
+def _refuse_cluster_replies(client: redis.Redis, replies: list[Any]) -> None:
     """A standalone URL naming a cluster node: replies only a cluster node gives (a key it
     does not serve redirected, a script's keys in slots of other nodes, the cluster
     down) are not a topology change that waiting would see through."""
