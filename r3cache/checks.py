@@ -1,10 +1,11 @@
-"""Checks of the plain arguments of public entry points: counts, indices, expert IDs and
-bounded waits."""
+"""Checks of the plain arguments of public entry points: counts, indices, expert IDs,
+bounded waits and store URL options."""
 
 from __future__ import annotations
 
 import math
 import operator
+from urllib.parse import parse_qsl
 
 import numpy as np
 
@@ -61,3 +62,18 @@ def seconds(value: object, name: str) -> float:
         raise ContractError(f"{name} must be a finite number of seconds >= 0, not "
                             f"{value!r:.40}")
     return float(value)
+
+
+def url_options(query: str) -> dict[str, str]:
+    """A store URL's query as options, each given once and with a value, or a
+    ContractError: parse_qsl alone drops ``owner=`` and a bare ``owner`` and keeps the last
+    of two, so a mistyped URL would open a store other than the one its user meant. No
+    value is echoed: the query may hold a password."""
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name in options:
+            raise ContractError(f"store URL option {name!r} is given twice")
+        if not value:
+            raise ContractError(f"store URL option {name!r} has no value")
+        options[name] = value
+    return options

@@ -391,6 +391,19 @@ def test_the_data_parallel_ranks_of_an_engine_given_one_owner_name_hold_apart(
             store.close()
 
 
+def test_an_r3cache_url_option_without_a_value_or_given_twice_is_refused(redis_url):
+    # R3CACHE_URL carries the plugin's options and the store's: parse_qsl alone would drop
+    # "owner=" (every rank then opens under a default name) and keep the last of two.
+    known = {"store_wait": float}
+    assert engine.split_url(f"{redis_url}?store_wait=2&owner=a&", known) == (
+        f"{redis_url}?owner=a", {"store_wait": 2.0})
+    for query in ("owner=", "owner", "store_wait=", "store_wait=1&store_wait=2"):
+        with pytest.raises(ContractError, match="has no value|is given twice"):
+            engine.split_url(f"{redis_url}?{query}", known)
+    with pytest.raises(ContractError, match="'owner' has no value"):
+        engine.rank_owner(f"{redis_url}?owner=", 0, 2)
+
+
 STALLED_OWNER = """
 import sys
 import numpy as np

@@ -29,6 +29,14 @@ def test_open_store_memory_url_with_query_options():
             open_store("memory://", layout=LAYOUT, namespace="m", **options)
     with pytest.raises(ContractError, match="unknown memory store option"):
         open_store("memory://?lease_ttl=3", layout=LAYOUT, namespace="m")
+    # An option without a value, or given twice, is refused: not a store of the default
+    # size, or of the size written last.
+    for query, problem in (("max_bytes=", "has no value"), ("max_bytes", "has no value"),
+                           ("max_bytes=4096&max_bytes=8192", "is given twice")):
+        with pytest.raises(ContractError, match=f"option 'max_bytes' {problem}"):
+            open_store(f"memory://?{query}", layout=LAYOUT, namespace="m")
+    assert open_store("memory://?&max_bytes=4096&", layout=LAYOUT,
+                      namespace="m").max_bytes == 4096
 
 
 def test_get_concatenated_returns_rows_in_key_order():

@@ -64,6 +64,15 @@ def test_options_come_from_the_url_query_or_keywords(redis_url, namespace):
         s.close()
     with pytest.raises(ContractError, match="unknown Redis store option .idle_tl."):
         open_store(f"{redis_url}?idle_tl=5", layout=LAYOUT, namespace=namespace)
+    # An empty owner would open the store under the process's default owner name, and the
+    # first of two under the second's: each is refused, naming no value (a password may be
+    # one).
+    for query, problem in (("owner=", "'owner' has no value"), ("owner", "'owner' has no value"),
+                           ("owner=a&owner=b", "'owner' is given twice"),
+                           ("password=s3cret&password=s3cret", "'password' is given twice")):
+        with pytest.raises(ContractError, match=f"option {problem}$") as info:
+            open_store(f"{redis_url}?{query}", layout=LAYOUT, namespace=namespace)
+        assert "s3cret" not in str(info.value)
 
 
 def test_namespace_metadata_is_written_once_and_guards_the_layout(url, namespace):

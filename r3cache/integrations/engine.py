@@ -9,10 +9,11 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import xxhash
 
+from r3cache.checks import url_options
 from r3cache.errors import ContractError, IntegrationError
 
 
@@ -23,7 +24,7 @@ def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str,
     store's.
     """
     parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
+    query = url_options(parts.query).items()
     options: dict[str, Any] = {}
     for key, value in query:
         if key in known:
@@ -44,7 +45,7 @@ def embedded(url: str) -> bool:
 
 def url_sets(url: str, option: str) -> bool:
     """Whether the store URL's query gives ``option``."""
-    return any(key == option for key, _ in parse_qsl(urlsplit(url).query))
+    return option in url_options(urlsplit(url).query)
 
 
 def rank_owner(url: str, rank: int, ranks: int) -> dict[str, str]:
@@ -53,7 +54,7 @@ def rank_owner(url: str, rank: int, ranks: int) -> dict[str, str]:
     are several ranks. The ranks share one R3CACHE_URL, and two live stores cannot share a
     name (each would overwrite the other's hold counts); a rank restarted as that rank
     still takes back its crashed predecessor's name."""
-    owner = dict(parse_qsl(urlsplit(url).query)).get("owner")
+    owner = url_options(urlsplit(url).query).get("owner")
     return {"owner": f"{owner}-dp{rank}"} if owner and ranks > 1 else {}
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
+from r3cache.checks import url_options
 from r3cache.errors import ContractError
 from r3cache.layout import RoutingLayout
 from r3cache.store.base import BlockStore, StoreStats
@@ -39,7 +40,7 @@ def open_store(
     if parts.scheme == "memory":
         if layout is None:
             raise ContractError("memory:// needs a layout")
-        merged: dict[str, Any] = {**dict(parse_qsl(parts.query)), **options}
+        merged: dict[str, Any] = {**url_options(parts.query), **options}
         unknown = sorted(merged.keys() - _MEMORY_OPTIONS)
         if unknown:
             raise ContractError(f"unknown memory store option(s) {', '.join(unknown)}; it "

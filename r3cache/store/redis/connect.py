@@ -6,7 +6,7 @@ import math
 import operator
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -14,6 +14,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.retry import Retry
 
+from r3cache.checks import url_options
 from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
 from r3cache.store.redis.errors import ACCESS_REFUSED, redis_errors
@@ -115,7 +116,7 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
     if parts.scheme != "unix":
         for host in parts.netloc.rpartition("@")[2].split(","):
             _host_port(host)
-    store_options, client_options = _split_options(dict(parse_qsl(parts.query)), options,
+    store_options, client_options = _split_options(url_options(parts.query), options,
                                                    tls=parts.scheme.startswith("rediss"))
     backoff = ExponentialBackoff(cap=1.0, base=0.05)
     try:
