@@ -823,6 +823,8 @@ def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path, reli
     ["inspect", "redis://127.0.0.1:6379/0?idle_ttl=abc"],
     ["inspect", "redis://127.0.0.1:6379/0?retries=x"],
     ["inspect", "redis://127.0.0.1:6379/0?idle_ttl=nan"],
+    ["inspect", "redis://127.0.0.1:6379/0?owner="],
+    ["inspect", "redis://127.0.0.1:6379/0?password=cret-pw&password=cret-pw"],
     ["inspect", "redis://127.0.0.1:port/0"],
     ["gc", "redis+cluster://127.0.0.1:7000,127.0.0.1:port"],
     ["inspect", "mongodb://127.0.0.1:6379"],
