@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from functools import partial
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import pytest
@@ -73,6 +74,10 @@ def test_options_come_from_the_url_query_or_keywords(redis_url, namespace):
         with pytest.raises(ContractError, match=f"option {problem}$") as info:
             open_store(f"{redis_url}?{query}", layout=LAYOUT, namespace=namespace)
         assert "s3cret" not in str(info.value)
+    # redis-py would open the path's database and drop db= without a word.
+    with pytest.raises(ContractError, match="names its database twice"):
+        open_store(urlunsplit(urlsplit(redis_url)._replace(path="/0", query="db=3")),
+                   layout=LAYOUT, namespace=namespace)
 
 
 def test_namespace_metadata_is_written_once_and_guards_the_layout(url, namespace):

@@ -116,7 +116,12 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
     if parts.scheme != "unix":
         for host in parts.netloc.rpartition("@")[2].split(","):
             _host_port(host)
-    store_options, client_options = _split_options(url_options(parts.query), options,
+    query = url_options(parts.query)
+    if "db" in query and parts.scheme != "unix" and parts.path.strip("/"):
+        # redis-py would take the path's database and drop the query's without a word.
+        raise ContractError("the store URL names its database twice, in its path and as "
+                            "db=; give one")
+    store_options, client_options = _split_options(query, options,
                                                    tls=parts.scheme.startswith("rediss"))
     backoff = ExponentialBackoff(cap=1.0, base=0.05)
     try:
