@@ -37,6 +37,9 @@ def test_open_store_memory_url_with_query_options():
             open_store(f"memory://?{query}", layout=LAYOUT, namespace="m")
     assert open_store("memory://?&max_bytes=4096&", layout=LAYOUT,
                       namespace="m").max_bytes == 4096
+    with pytest.raises(ContractError, match="names no host or path"):
+        open_store("memory://4096", layout=LAYOUT, namespace="m")
+    assert open_store("memory:///", layout=LAYOUT, namespace="m").max_bytes == 1 << 30
 
 
 def test_get_concatenated_returns_rows_in_key_order():

@@ -40,6 +40,10 @@ def open_store(
     if parts.scheme == "memory":
         if layout is None:
             raise ContractError("memory:// needs a layout")
+        if parts.netloc or parts.path.strip("/") or parts.fragment:
+            # "memory://1GB" would open a store of the default size.
+            raise ContractError("memory:// names no host or path; size it with "
+                                "?max_bytes=")
         merged: dict[str, Any] = {**url_options(parts.query), **options}
         unknown = sorted(merged.keys() - _MEMORY_OPTIONS)
         if unknown:
