@@ -74,6 +74,9 @@ def test_options_come_from_the_url_query_or_keywords(redis_url, namespace):
         with pytest.raises(ContractError, match=f"option {problem}$") as info:
             open_store(f"{redis_url}?{query}", layout=LAYOUT, namespace=namespace)
         assert "s3cret" not in str(info.value)
+    with pytest.raises(ContractError, match="has a '#'") as info:
+        open_store(f"{redis_url}?password=s3#cret", layout=LAYOUT, namespace=namespace)
+    assert "cret" not in str(info.value)
     # redis-py would open the path's database and drop db= without a word.
     with pytest.raises(ContractError, match="names its database twice"):
         open_store(urlunsplit(urlsplit(redis_url)._replace(path="/0", query="db=3")),

@@ -116,6 +116,10 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
     if parts.scheme != "unix":
         for host in parts.netloc.rpartition("@")[2].split(","):
             _host_port(host)
+    if parts.fragment or url.endswith("#"):
+        # redis-py drops it: "?password=se#cret" would send the password "se".
+        raise ContractError("the store URL has a '#': percent-encode it (%23) in a password "
+                            "or option")
     query = url_options(parts.query)
     if "db" in query and parts.scheme != "unix" and parts.path.strip("/"):
         # redis-py would take the path's database and drop the query's without a word.
