@@ -902,8 +902,11 @@ def test_connector_sizes_and_waits_are_checked_before_any_writer_starts(redis_ur
             for kwargs in (*bad[:3], bad[-1], {"max_pending": 0}):
                 with pytest.raises(ContractError):
                     RequestPublisher(layout=LAYOUT, store=store, **kwargs)
-            with pytest.raises(ContractError):
-                WorkerConnector(layout=LAYOUT, store="memory://")
+            for make in (WorkerConnector, RequestPublisher):
+                with pytest.raises(ContractError, match="store must be a BlockStore"):
+                    make(layout=LAYOUT, store="memory://")
+                with pytest.raises(ContractError, match="layout must be a RoutingLayout"):
+                    make(layout=LAYOUT.fingerprint, store=store)
         finally:
             store.close()
     assert threading.active_count() == threads  # no writer was started

@@ -9,12 +9,12 @@ import numpy as np
 
 from r3cache.checks import count, is_int, seconds
 from r3cache.connector.worker import WorkerStats
-from r3cache.errors import ContractError, InvalidBatchError, LayoutMismatchError, R3Error
+from r3cache.errors import ContractError, InvalidBatchError, R3Error
 from r3cache.hashing import DEFAULT_SEED, block_hashes, token_id_array
 from r3cache.layout import RoutingLayout, repeats_an_expert
 from r3cache.manifest import BlockSpan, Completion, Manifest, check_request_id
 from r3cache.metrics import SOURCES
-from r3cache.store.base import BlockStore
+from r3cache.store.base import BlockStore, check_layout_and_store
 from r3cache.store.writers import choose_writer
 from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import spawn_writer
@@ -47,10 +47,7 @@ class RequestPublisher:
         on_unavailable: str = "raise",
         max_pending: int = 256,
     ) -> None:
-        if store.layout != layout:
-            raise LayoutMismatchError(
-                f"store layout {store.layout.fingerprint} != publisher layout "
-                f"{layout.fingerprint}")
+        check_layout_and_store(layout, store, "publisher")
         if not isinstance(seed, str):
             raise ContractError(f"the hash seed must be a str, not {seed!r:.40}")
         store_wait = seconds(store_wait, "store_wait")

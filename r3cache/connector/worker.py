@@ -38,7 +38,7 @@ from r3cache.manifest import (
     is_completion,
 )
 from r3cache.metrics import SOURCES
-from r3cache.store.base import BlockStore
+from r3cache.store.base import BlockStore, check_layout_and_store
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.tiered import TieredBlockStore
 from r3cache.store.writers import choose_writer
@@ -189,15 +189,7 @@ class WorkerConnector:
         capturer: Any = None,
         record_manifests: bool = True,
     ) -> None:
-        if not isinstance(layout, RoutingLayout):
-            raise ContractError(f"layout must be a RoutingLayout, not {type(layout).__name__}")
-        if not isinstance(store, BlockStore):
-            raise ContractError(f"store must be a BlockStore (open_store), not "
-                                f"{type(store).__name__}")
-        if store.layout != layout:
-            raise LayoutMismatchError(
-                f"store layout {store.layout.fingerprint} != connector layout {layout.fingerprint}"
-            )
+        check_layout_and_store(layout, store, "connector")
         # Sizes bound the writers' queues and every wait: each is checked before any starts
         # (the writer and policy by choose_writer).
         max_num_seqs = checks.count(max_num_seqs, "max_num_seqs", 1)

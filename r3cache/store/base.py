@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from r3cache.errors import ContractError
+from r3cache.errors import ContractError, LayoutMismatchError
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 
@@ -155,3 +155,16 @@ class BlockStore(Protocol):
     def stats(self) -> StoreStats: ...
 
     def close(self) -> None: ...
+
+
+def check_layout_and_store(layout: object, store: object, user: str) -> None:
+    """``layout`` is a RoutingLayout and ``store`` a BlockStore of that layout, or a typed
+    error (``user``: what is built on them, for the message)."""
+    if not isinstance(layout, RoutingLayout):
+        raise ContractError(f"layout must be a RoutingLayout, not {type(layout).__name__}")
+    if not isinstance(store, BlockStore):
+        raise ContractError(f"store must be a BlockStore (open_store), not "
+                            f"{type(store).__name__}")
+    if store.layout != layout:
+        raise LayoutMismatchError(
+            f"store layout {store.layout.fingerprint} != {user} layout {layout.fingerprint}")
