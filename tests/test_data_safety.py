@@ -907,6 +907,8 @@ def test_connector_sizes_and_waits_are_checked_before_any_writer_starts(redis_ur
                     make(layout=LAYOUT, store="memory://")
                 with pytest.raises(ContractError, match="layout must be a RoutingLayout"):
                     make(layout=LAYOUT.fingerprint, store=store)
+            with pytest.raises(ContractError, match="capturer must be"):
+                WorkerConnector(layout=LAYOUT, store=store, capturer=object())
         finally:
             store.close()
     assert threading.active_count() == threads  # no writer was started

@@ -47,6 +47,10 @@ from r3cache.store.writers.process import spawn_writer
 
 log = logging.getLogger("r3cache.worker")
 
+# What the connector uses of a capturer (r3cache.capture, or an engine's own behind an
+# adapter).
+_CAPTURER_ATTRIBUTES = ("layout", "max_num_batched_tokens", "snapshot", "host_ring")
+
 # Above this many rows per request a step's tails are filled request by request (two
 # slices each) rather than through per-row index arrays.
 _ROWS_PER_REQUEST = 16
@@ -200,6 +204,12 @@ class WorkerConnector:
         local_tier_bytes = checks.count(local_tier_bytes, "local_tier_bytes")
         store_wait = checks.seconds(store_wait, "store_wait")
         writer = choose_writer(store, writer, on_unavailable)
+        missing = ([a for a in _CAPTURER_ATTRIBUTES if not hasattr(capturer, a)]
+                   if capturer is not None else [])
+        if missing:
+            raise ContractError(f"capturer must be an r3cache.capture.RoutedExpertsCapturer "
+                                f"(or have its {', '.join(missing)}), not "
+                                f"{type(capturer).__name__}")
         if capturer is not None and capturer.layout != layout:
             raise LayoutMismatchError(
                 f"capturer layout {capturer.layout.fingerprint} != connector layout "
