@@ -40,7 +40,7 @@ def open_store(
     if parts.scheme == "memory":
         if layout is None:
             raise ContractError("memory:// needs a layout")
-        if parts.netloc or parts.path.strip("/") or parts.fragment:
+        if parts.netloc or parts.path.strip("/") or "#" in url:
             # "memory://1GB" would open a store of the default size.
             raise ContractError("memory:// names no host or path; size it with "
                                 "?max_bytes=")
