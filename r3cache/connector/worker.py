@@ -204,22 +204,8 @@ class WorkerConnector:
         local_tier_bytes = checks.count(local_tier_bytes, "local_tier_bytes")
         store_wait = checks.seconds(store_wait, "store_wait")
         writer = choose_writer(store, writer, on_unavailable)
-        missing = ([a for a in _CAPTURER_ATTRIBUTES if not hasattr(capturer, a)]
-                   if capturer is not None else [])
-        if missing:
-            raise ContractError(f"capturer must be an r3cache.capture.RoutedExpertsCapturer "
-                                f"(or have its {', '.join(missing)}), not "
-                                f"{type(capturer).__name__}")
-        if capturer is not None and capturer.layout != layout:
-            raise LayoutMismatchError(
-                f"capturer layout {capturer.layout.fingerprint} != connector layout "
-                f"{layout.fingerprint}"
-            )
-        if capturer is not None and capturer.max_num_batched_tokens < max_num_batched_tokens:
-            raise ContractError(
-                f"the capturer holds {capturer.max_num_batched_tokens} rows, a step may have "
-                f"{max_num_batched_tokens}"
-            )
+        if capturer is not None:
+            self._check_capturer(capturer, layout, max_num_batched_tokens)
         self.layout = layout
         layout.prepare_checks()
         # False where nothing outside this process could read or release a manifest (an
@@ -267,6 +253,22 @@ class WorkerConnector:
         # The releases and manifests of a store call that was refused (the store changed
         # nothing), carried by the next one with its pins and blocks (kept above).
         self._unsent: tuple[list[str], list[Manifest]] | None = None
+
+    @staticmethod
+    def _check_capturer(capturer: Any, layout: RoutingLayout, max_num_batched_tokens: int
+                        ) -> None:
+        """The capturer has what the connector uses of one, for this layout and step size."""
+        missing = [a for a in _CAPTURER_ATTRIBUTES if not hasattr(capturer, a)]
+        if missing:
+            raise ContractError(f"capturer must be an r3cache.capture.RoutedExpertsCapturer "
+                                f"(or have its {', '.join(missing)}), not "
+                                f"{type(capturer).__name__}")
+        if capturer.layout != layout:
+            raise LayoutMismatchError(f"capturer layout {capturer.layout.fingerprint} != "
+                                      f"connector layout {layout.fingerprint}")
+        if capturer.max_num_batched_tokens < max_num_batched_tokens:
+            raise ContractError(f"the capturer holds {capturer.max_num_batched_tokens} rows, a "
+                                f"step may have {max_num_batched_tokens}")
 
     @property
     def num_requests(self) -> int:
