@@ -141,6 +141,7 @@ class EngineTotals:
     queued: int = 0  # gauges, live connectors only: batches queued now,
     ring_used: int = 0  # and the helper process's ring slots in use, of ring_slots
     ring_slots: int = 0
+    arena_unencoded: int = 0  # and the tier's blocks sent to the helper, not yet encoded
     refused: float = 0.0  # the longest a live connector's writer has repeated a batch
 
     def add(self, stats: Any, store: Any) -> None:
@@ -217,6 +218,7 @@ class _Sources:
                 used, slots = getattr(_writer(store), "ring_slots", (0, 0))
                 total.ring_used += used
                 total.ring_slots += slots
+                total.arena_unencoded += getattr(_writer(store), "arena_unencoded", 0)
                 total.refused = max(total.refused,
                                     getattr(_writer(store), "refused_seconds", 0.0))
         return totals
@@ -298,7 +300,10 @@ def collector():
                     ("r3cache_writer_ring_slots_used",
                      "blocks in the helper process's shared ring not yet encoded", "ring_used"),
                     ("r3cache_writer_ring_slots",
-                     "blocks the helper process's shared ring holds", "ring_slots")):
+                     "blocks the helper process's shared ring holds", "ring_slots"),
+                    ("r3cache_writer_arena_blocks_unencoded",
+                     "blocks of the in-process tier sent to the helper process by slot, "
+                     "not yet encoded", "arena_unencoded")):
                 family = GaugeMetricFamily(name, text, labels=labels)
                 for key, totals in ring:
                     family.add_metric(list(key), getattr(totals, field))

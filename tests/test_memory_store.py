@@ -4,6 +4,7 @@ import pytest
 from r3cache import RoutingLayout, open_store
 from r3cache.errors import BlockNotFoundError, ContractError, LayoutMismatchError, StoreFullError
 from r3cache.store.memory import MemoryBlockStore
+from r3cache.store.writers.arena import BlockArena
 
 LAYOUT = RoutingLayout(num_layers=2, topk=2, num_experts=8, block_size=4)
 
@@ -12,8 +13,9 @@ def blk(value: int) -> np.ndarray:
     return np.full(LAYOUT.block_shape, value, LAYOUT.dtype)
 
 
-def store(blocks: int = 4) -> MemoryBlockStore:
-    return MemoryBlockStore(LAYOUT, "t", max_bytes=blocks * LAYOUT.block_nbytes)
+def store(blocks: int = 4, arena: bool = False) -> MemoryBlockStore:
+    return MemoryBlockStore(LAYOUT, "t", max_bytes=blocks * LAYOUT.block_nbytes,
+                            arena=BlockArena(LAYOUT, blocks) if arena else None)
 
 
 def test_open_store_memory_url_with_query_options():
@@ -185,33 +187,35 @@ def test_a_finishing_request_hands_its_pins_to_its_manifest():
                         [BlockRef(k, 0, 4) for k in held])
 
     # Exactly the keys it releases: the pins pass over, no key is ever unpinned.
-    first, last, _ = s.put({}, (), keys[::-1], [manifest("r1", keys)])
+    first, last, *_ = s.put({}, (), keys[::-1], [manifest("r1", keys)])
     assert (first, last) == ([], []) and [s._refs[k] for k in keys] == [1, 1, 1]
     assert s.stats().pinned_blocks == 3 and not s._idle
     # A request that releases more than its manifest holds: applied key by key.
     s.put({"d": blk(5)}, retain_keys=["a", "d"])
-    first, last, _ = s.put({}, (), ["d", "a"], [manifest("r2", ["a"])])
+    first, last, *_ = s.put({}, (), ["d", "a"], [manifest("r2", ["a"])])
     assert last == ["d"] and s._refs["a"] == 2 and list(s._idle) == ["d"]
     # A manifest replacing one under the same id: applied key by key too.
     s.put({}, ["b"])
-    first, last, _ = s.put({}, (), ["b"], [manifest("r1", ["b"])])
+    first, last, *_ = s.put({}, (), ["b"], [manifest("r1", ["b"])])
     assert s._refs == {"a": 1, "b": 1}
     assert s.release_manifests(["r1", "r2"]) == 2
     assert s.stats().pinned_blocks == 0 and list(s._idle) == ["d", "c", "b", "a"]
 
 
+@pytest.mark.parametrize("arena", [False, True], ids=["heap", "arena"])
 @pytest.mark.parametrize("seed", range(40))
-def test_random_puts_under_memory_pressure_keep_every_invariant(seed):
+def test_random_puts_under_memory_pressure_keep_every_invariant(seed, arena):
     """Random puts, manifest releases and reads on a store of one to five blocks: no put
     leaves part of itself behind, bytes and the idle list match the blocks held, what a
-    manifest names stays pinned, and reads return the rows first stored under each key."""
+    manifest names stays pinned, reads return the rows first stored under each key, and
+    no two blocks share a slot (on the heap as in a writer's arena)."""
     from collections import Counter
 
     from r3cache.errors import R3Error
     from r3cache.manifest import BlockRef, Completion, Manifest
 
     rng = np.random.default_rng(seed)
-    s = store(blocks=int(rng.integers(1, 6)))
+    s = store(blocks=int(rng.integers(1, 6)), arena=arena)
     keys = [f"k{i}" for i in range(8)]
     stored: dict[str, np.ndarray] = {}  # the rows the store took for each key
     held: Counter[str] = Counter()  # the worker's own pins: it releases only those
@@ -248,9 +252,10 @@ def test_random_puts_under_memory_pressure_keep_every_invariant(seed):
             rows = s.get_concatenated(wanted)
             for n, k in enumerate(wanted):
                 np.testing.assert_array_equal(rows[4 * n : 4 * n + 4], stored[k])
-        assert s._used == sum(b.nbytes for b in s._blocks.values()) <= s.max_bytes
+        assert s._used == len(s._blocks) * LAYOUT.block_nbytes <= s.max_bytes
+        assert len(set(s._blocks.values())) == len(s._blocks)
         assert set(s._idle) == {k for k in s._blocks if k not in s._refs}
-        assert s._idle_bytes == sum(s._blocks[k].nbytes for k in s._idle)
+        assert s._idle_bytes == len(s._idle) * LAYOUT.block_nbytes
         assert min(s._refs.values(), default=1) > 0
         assert all(k in s._refs for m in s._manifests.values() for k in m.block_keys)
 

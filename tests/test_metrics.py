@@ -202,7 +202,8 @@ def test_a_stalled_redis_shows_as_waits_drops_and_typed_errors(policy, tmp_path)
 def test_conflicts_with_another_replica_and_the_ring_show_on_metrics(redis_url, namespace,
                                                                      writer, scrape):
     """Another replica wrote other rows under three keys: this engine's writer counts three
-    conflicts, and the metric says so; the helper's ring drains to no slot in use."""
+    conflicts, and the metric says so. What the helper has not encoded shows: new blocks
+    it reads in the tier's arena, duplicates copied into its ring; both drain to none."""
     from r3cache import open_store
     from r3cache.connector.worker import WorkerConnector
 
@@ -222,20 +223,25 @@ def test_conflicts_with_another_replica_and_the_ring_show_on_metrics(redis_url, 
             helper = worker.store.remote._process
             assert scraped["r3cache_writer_ring_slots_used"] == 0  # all encoded
             assert scraped["r3cache_writer_ring_slots"] == worker.store.remote.ring_slots[1]
+            assert scraped["r3cache_writer_arena_blocks_unencoded"] == 0
             os.kill(helper.pid, signal.SIGSTOP)  # a helper that cannot keep up
             try:
-                worker.store.put({f"m{i}": ours for i in range(5)})
-                assert scrape(namespace)["r3cache_writer_ring_slots_used"] == 5
+                # Five new to the tier, two it holds already (duplicates: the caller's rows).
+                worker.store.put({**{f"m{i}": ours for i in range(5)}, "k1": ours, "k4": ours})
+                scraped = scrape(namespace)
+                assert scraped["r3cache_writer_arena_blocks_unencoded"] == 5
+                assert scraped["r3cache_writer_ring_slots_used"] == 2
             finally:
                 os.kill(helper.pid, signal.SIGCONT)
-            # Without a call into the store: the helper's acknowledgement in the ring.
+            # Without a call into the store: the helper's acknowledgements in shared memory.
+            gauges = ("r3cache_writer_ring_slots_used", "r3cache_writer_arena_blocks_unencoded")
             deadline = time.monotonic() + 10
-            while scrape(namespace)["r3cache_writer_ring_slots_used"] and \
-                    time.monotonic() < deadline:
+            while any(scrape(namespace)[g] for g in gauges) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert scrape(namespace)["r3cache_writer_ring_slots_used"] == 0
+            assert [scrape(namespace)[g] for g in gauges] == [0, 0]
         else:
             assert "r3cache_writer_ring_slots" not in scraped
+            assert "r3cache_writer_arena_blocks_unencoded" not in scraped
     finally:
         worker.close()
         other.close()

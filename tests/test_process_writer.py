@@ -25,12 +25,18 @@ from tests.conftest import wait_for
 LAYOUT = RoutingLayout(num_layers=48, topk=8, num_experts=128, block_size=16)
 
 
-def test_the_simulator_verifies_with_a_process_writer(redis_url, namespace):
+@pytest.mark.parametrize("tier_blocks", [None, 3], ids=["1GiB-tier", "3-block-tier"])
+def test_the_simulator_verifies_with_a_process_writer(redis_url, namespace, tier_blocks):
+    """With the default tier and with one of three blocks, whose slots in the helper's
+    arena are taken again while the helper may still be reading them."""
     store = open_store(redis_url, layout=LAYOUT, namespace=namespace, idle_ttl=120)
+    sizes = {} if tier_blocks is None else {"local_tier_bytes": tier_blocks
+                                            * LAYOUT.block_nbytes}
     worker = WorkerConnector(layout=LAYOUT, store=store, max_concurrent_batches=2,
-                             writer="process")
+                             writer="process", **sizes)
     assert isinstance(worker.store, TieredBlockStore)
     assert isinstance(worker.store.remote, ProcessWriter)
+    assert worker.store.local.arena is worker.store.remote.arena
     workload = [SimRequest(f"r{i}", list(range(40)), list(range(i, i + 30))) for i in range(6)]
     report = Engine(LAYOUT, worker, SimConfig(num_spec_tokens=2)).run(workload)
     owner = worker.store.remote.owner
@@ -230,6 +236,36 @@ def test_puts_the_socket_cannot_take_at_once_follow_through_the_feeder_in_order(
     np.testing.assert_array_equal(reader.get_concatenated(["blk"]), rows)
     writer.put({}, release_keys=keys)
     writer.close()
+
+
+def test_a_tier_slot_is_written_again_only_once_the_helper_has_read_it(redis_url, namespace):
+    """The tier's blocks go to the helper by their slot in its arena. With the helper
+    stopped before it read two of them, a put that would evict them (a tier of two blocks)
+    waits for it, then fails after max_wait, changing nothing; the helper, going on, still
+    finds the rows it was sent, and the put taken again evicts them."""
+    writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60}, max_wait=0.5,
+                           arena_bytes=2 * LAYOUT.block_nbytes)
+    local = MemoryBlockStore(LAYOUT, namespace, 2 * LAYOUT.block_nbytes, arena=writer.arena)
+    tier = TieredBlockStore(local, writer)
+    rng = np.random.default_rng(9)
+    blocks = {f"k{i}": rng.integers(0, 128, LAYOUT.block_shape).astype(np.uint8)
+              for i in range(4)}
+    writer._process.send_signal(signal.SIGSTOP)
+    try:
+        tier.put({k: blocks[k] for k in ("k0", "k1")})
+        began = time.perf_counter()
+        with pytest.raises(StoreUnavailableError):
+            tier.put({k: blocks[k] for k in ("k2", "k3")})
+        assert time.perf_counter() - began >= 0.5
+        assert set(local._blocks) == {"k0", "k1"}
+    finally:
+        writer._process.send_signal(signal.SIGCONT)
+    tier.put({k: blocks[k] for k in ("k2", "k3")})
+    assert set(local._blocks) == {"k2", "k3"}
+    tier.flush()
+    np.testing.assert_array_equal(writer.reader.get_concatenated(list(blocks)),
+                                  np.concatenate(list(blocks.values())))
+    tier.close()
 
 
 def test_the_ring_wraps_and_waits_for_acknowledged_slots():

@@ -31,7 +31,8 @@ class Raw:
 
     def rows(self, key: str) -> np.ndarray | None:
         if isinstance(self.store, MemoryBlockStore):
-            return self.store._blocks.get(key)
+            slot = self.store._blocks.get(key)
+            return None if slot is None else self.store._pool.arrays[slot]
         value = self._client(self.store.keys.block(key)).get(self.store.keys.block(key))
         return None if value is None else codec.decode_rows(value, LAYOUT, key)
 

@@ -223,9 +223,12 @@ class WorkerConnector:
             # A durable store gets an in-process tier, so the engine's own prefix hits
             # never wait on the writer or the network. writer="process" moves encoding
             # and Redis I/O to a helper process, off this process's GIL.
-            local = MemoryBlockStore(layout, store.namespace, local_tier_bytes)
             if writer == "process" and getattr(store, "reopen_args", None):
-                store = spawn_writer(store, max_pending=2 * max_num_seqs, max_wait=store_wait)
+                # The tier's blocks in the helper's arena: it reads them where they are.
+                store = spawn_writer(store, max_pending=2 * max_num_seqs, max_wait=store_wait,
+                                     arena_bytes=local_tier_bytes)
+            local = MemoryBlockStore(layout, store.namespace, local_tier_bytes,
+                                     arena=getattr(store, "arena", None))
             store = TieredBlockStore(local, store, max_pending=2 * max_num_seqs,
                                      max_wait=store_wait, on_unavailable=on_unavailable)
         elif background:

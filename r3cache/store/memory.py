@@ -10,39 +10,53 @@ from typing import NamedTuple
 
 import numpy as np
 
-from r3cache.errors import BlockNotFoundError, StoreClosedError, StoreFullError
+from r3cache.errors import BlockNotFoundError, ContractError, StoreClosedError, StoreFullError
 from r3cache.hashing import hasher_name
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest, check_request_ids
 from r3cache.store.base import StoreStats, check_key_types, check_put, check_targets
+from r3cache.store.pool import BlockPool
 
 DEFAULT_MAX_BYTES = 1 << 30
 
 
-class PinChanges(NamedTuple):
-    """What one put did to the pins, in call order."""
+class PutChanges(NamedTuple):
+    """What one put did: to the pins, in call order, and where it stored new blocks."""
 
     first: list[str]  # keys it pinned from no pin
     last: list[str]  # keys whose last pin it dropped, or that it released with none
     unheld: list[str]  # of those, the ones it released with none: nothing changed
+    stored: list[str]  # the blocks it stored
+    slots: list[int]  # their slots in the store's pool, in the same order
 
 
 class MemoryBlockStore:
-    """Own blocks in process memory, bounded by bytes, evicting only unpinned blocks (LRU)."""
+    """Own blocks in process memory, bounded by bytes, evicting only unpinned blocks (LRU).
+
+    The blocks live in a BlockPool: arrays on the heap, or ``arena`` (a
+    ``writers.arena.BlockArena`` of at least ``max_bytes``), slots of memory a writer
+    process reads. A tier in front of that writer then sends slot numbers, not second
+    copies; a slot is written again only once the writer is done with it (``claim``).
+    """
 
     def __init__(
         self, layout: RoutingLayout, namespace: str = "default", max_bytes: int = DEFAULT_MAX_BYTES,
-        hash_algo: str = "sha256",
+        hash_algo: str = "sha256", arena=None,
     ) -> None:
         if max_bytes < layout.block_nbytes:
             raise StoreFullError(
                 f"max_bytes={max_bytes} cannot hold one block of {layout.block_nbytes} bytes"
             )
+        if arena is not None and arena.capacity < max_bytes // layout.block_nbytes:
+            raise ContractError(f"an arena of {arena.capacity} blocks cannot hold "
+                                f"max_bytes={max_bytes}")
         self.layout = layout
         self.namespace = namespace
         self.hash_algo = hasher_name(hash_algo)
         self.max_bytes = int(max_bytes)
-        self._blocks: dict[str, np.ndarray] = {}
+        self._blocks: dict[str, int] = {}  # each block's slot in the pool
+        self._arena = arena
+        self._pool = BlockPool(layout) if arena is None else arena
         self._refs: dict[str, int] = {}
         # Stored blocks with no reference, oldest release first: the eviction order.
         self._idle: OrderedDict[str, None] = OrderedDict()
@@ -53,15 +67,21 @@ class MemoryBlockStore:
         self._closed = False
         self._written = self._duplicates = self._conflicts = self._evictions = 0
 
+    @property
+    def arena(self):
+        """The BlockArena the blocks live in, or None (the heap)."""
+        return self._arena
+
     def put(
         self,
         objects: Mapping[str, np.ndarray],
         retain_keys: Collection[str] = (),
         release_keys: Sequence[str] = (),
         manifests: Sequence[Manifest] = (),
-    ) -> PinChanges:
+    ) -> PutChanges:
         """Store blocks, then pin, then unpin; returns what that did to the pins (a tier in
-        front of a durable store forwards only the first and last ones)."""
+        front of a durable store forwards only the first and last ones) and, with an
+        arena, where the new blocks are."""
         check_put(self.layout, objects, retain_keys, release_keys, manifests)
         with self._lock:
             self._check_open()
@@ -73,16 +93,16 @@ class MemoryBlockStore:
                 new = {k: v for k, v in objects.items() if k not in blocks}
                 held = objects.keys() - new.keys()
             nbytes = len(new) * self.layout.block_nbytes
-            freed: list[np.ndarray] = []
+            freed: list[str] = []
             if self._used + nbytes > self.max_bytes:  # checked above: raises, or evicts
                 # Blocks the put names stay: it pins them, or compares them as duplicates.
                 freed = self._reserve(nbytes, [*retain_keys, *held,
                                                *(k for m in manifests for k in m.block_keys)],
                                       release_keys)
             first = self._retain(retain_keys)
-            self._insert(new, freed)
+            stored, slots = self._insert(new, freed)
             for key in held:
-                if np.array_equal(self._blocks[key], objects[key]):
+                if np.array_equal(self._pool.arrays[self._blocks[key]], objects[key]):
                     self._duplicates += 1
                 else:
                     # Immutable: the first writer wins; the caller reads its own rows.
@@ -95,10 +115,10 @@ class MemoryBlockStore:
                     self._release(reversed(replaced.block_keys))
                 self._manifests[manifest.request_id] = manifest.own_copy()
             last, unheld = self._release(release_keys)
-        return PinChanges(first, last, unheld)
+        return PutChanges(first, last, unheld, stored, slots)
 
     def undo_pins(self, retain_keys: Collection[str], release_keys: Sequence[str],
-                  changes: PinChanges) -> None:
+                  changes: PutChanges) -> None:
         """Take back the pins and releases of the put (without manifests) that returned
         ``changes``; its blocks stay, as they are immutable. A tier whose durable store
         refused that put leaves the counts as they were, so the caller's retry pins each
@@ -133,9 +153,9 @@ class MemoryBlockStore:
             return len(found)
 
     def _reserve(self, nbytes: int, retain_keys: Collection[str],
-                 release_keys: Sequence[str]) -> list[np.ndarray]:
+                 release_keys: Sequence[str]) -> list[str]:
         """Evict idle blocks until ``nbytes`` fit, or raise before changing anything;
-        returns the evicted blocks' arrays, for the new blocks to be copied into.
+        returns the evicted keys, whose slots (still stored) the new blocks take over.
 
         When the idle blocks are not enough, the blocks this put's releases leave with no
         pin go too, in the order their last pins go: idle by the end of the put, they
@@ -157,14 +177,15 @@ class MemoryBlockStore:
                     f"{self.max_bytes} with {self._used - evictable} bytes pinned; nothing "
                     "was written")
         # Oldest release first; blocks this batch is about to pin keep their place.
-        victims = list(islice(filterfalse(retained.__contains__, idle), count))
-        deque(map(idle.__delitem__, victims), maxlen=0)
-        self._idle_bytes -= len(victims) * size
-        victims += released[: count - len(victims)]
-        freed = list(map(self._blocks.pop, victims))
+        idled = list(islice(filterfalse(retained.__contains__, idle), count))
+        victims = idled + released[: count - len(idled)]
+        if self._arena is not None:  # the last change that can wait, and fail
+            self._arena.claim(list(map(self._blocks.__getitem__, victims)))
+        deque(map(idle.__delitem__, idled), maxlen=0)
+        self._idle_bytes -= len(idled) * size
         self._used -= count * size
         self._evictions += count
-        return freed
+        return victims
 
     def _released_for_good(self, release_keys: Sequence[str], kept: set[str]) -> list[str]:
         """Stored, pinned keys that ``release_keys`` leave with no pin, in the order their
@@ -180,21 +201,25 @@ class MemoryBlockStore:
                 left[key] = count - 1
         return unpinned
 
-    def _insert(self, new: Mapping[str, np.ndarray], freed: list[np.ndarray]) -> None:
+    def _insert(self, new: Mapping[str, np.ndarray],
+                freed: list[str]) -> tuple[list[str], list[int]]:
         """Store copies of checked whole blocks (a prefill step brings hundreds), by C
-        iteration: the copies, the stores and the idle entries each one pass.
+        iteration: the copies, the stores and the idle entries each one pass; returns the
+        new blocks' keys and slots.
 
-        The first ones are copied into ``freed``, evicted blocks' arrays (at most one per
-        new block): a full store reuses its memory rather than freeing a block's and
+        The first ones take the slots of ``freed``, evicted keys (at most one per new
+        block): a full store reuses its memory rather than freeing a block's and
         allocating another. No array of the store's leaves it (reads copy under the lock),
         so none is seen changing.
         """
         blocks, refs, idle = self._blocks, self._refs, self._idle
-        # Own the bytes: the caller may write into its arrays after put() returns.
         keys, values = list(new), list(new.values())
-        deque(map(np.copyto, freed, values), maxlen=0)
-        blocks.update(zip(keys, freed))
-        blocks.update(zip(keys[len(freed):], map(np.ndarray.copy, values[len(freed):])))
+        slots = list(map(blocks.pop, freed))
+        if len(slots) < len(keys):
+            slots += self._pool.take(len(keys) - len(slots))
+        # Own the bytes: the caller may write into its arrays after put() returns.
+        deque(map(np.copyto, map(self._pool.arrays.__getitem__, slots), values), maxlen=0)
+        blocks.update(zip(keys, slots))
         # Unpinned new blocks are idle. None of them was stored, so none was idle before,
         # and refs holds only counts above zero.
         before = len(idle)
@@ -203,6 +228,7 @@ class MemoryBlockStore:
         self._used += len(new) * nbytes
         self._idle_bytes += (len(idle) - before) * nbytes
         self._written += len(new)
+        return keys, slots
 
     def _retain(self, keys: Iterable[str]) -> list[str]:
         """Pin ``keys``; returns those that had no pin before. One loop for a whole put
@@ -254,7 +280,8 @@ class MemoryBlockStore:
             if not keys:
                 return self.layout.empty_rows()
             # Under the lock: a later put may copy another block into an evicted array.
-            return np.concatenate([self._blocks[k] for k in keys])
+            arrays = self._pool.arrays
+            return np.concatenate([arrays[self._blocks[k]] for k in keys])
 
     def read_present(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> list[int]:
         """Copy the blocks held here into their targets; the indices of the others."""
@@ -262,16 +289,20 @@ class MemoryBlockStore:
         with self._lock:
             self._check_open()
             for n, key in enumerate(keys):
-                block = self._blocks.get(key)
-                if block is None:
+                slot = self._blocks.get(key)
+                if slot is None:
                     missing.append(n)
                 else:
-                    targets[n][...] = block
+                    targets[n][...] = self._pool.arrays[slot]
         return missing
 
     def drop_blocks(self) -> None:
         """Forget every stored block but keep the reference counts."""
         with self._lock:
+            slots = list(self._blocks.values())
+            # Free slots are never in flight: a writer reading them is done first.
+            self._pool.claim(slots)
+            self._pool.give_back(slots)
             self._blocks.clear()
             self._idle.clear()
             self._idle_bytes = self._used = 0
@@ -315,6 +346,8 @@ class MemoryBlockStore:
         with self._lock:
             self._closed = True
             self._blocks.clear()
+            # The heap's arrays go with the pool; an arena's owner closes it.
+            self._pool = BlockPool(self.layout)
             self._refs.clear()
             self._idle.clear()
             self._manifests.clear()

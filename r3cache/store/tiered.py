@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from r3cache.errors import BlockNotFoundError, LayoutMismatchError, StoreFullError
+from r3cache.errors import (
+    BlockNotFoundError,
+    LayoutMismatchError,
+    StoreFullError,
+    StoreUnavailableError,
+)
 from r3cache.manifest import Manifest
 from r3cache.store.base import BlockStore, StoreStats, check_put, check_targets
 from r3cache.store.memory import MemoryBlockStore
@@ -24,6 +30,9 @@ class TieredBlockStore:
     Reads are served from the local tier; only blocks it lacks (evicted locally, written
     by another replica, or from before a restart) go to the durable store, after the
     writer queue has drained, in one batched read, and are then kept locally.
+
+    Where the local tier keeps its blocks in the writer process's arena, a put's new
+    blocks go to the writer by slot: one copy on the engine's thread, not two.
     """
 
     def __init__(self, local: MemoryBlockStore, remote: BlockStore,
@@ -38,6 +47,12 @@ class TieredBlockStore:
         self.namespace = remote.namespace
         self.hash_algo = remote.hash_algo
         self.remote_reads = 0  # blocks the local tier lacked
+        # Whether the writer reads the local tier's blocks in place (its arena's slots).
+        self._by_slot = local.arena is not None and local.arena is getattr(
+            self.remote, "arena", None)
+        # A block stored locally must reach the writer before any other put may evict
+        # it and reuse its slot: the arena guards only slots already sent.
+        self._lock = threading.Lock()
 
     def put(
         self,
@@ -48,22 +63,28 @@ class TieredBlockStore:
     ) -> None:
         # Before the local tier applies the pins; its put checks the blocks first.
         check_put(self.layout, objects, retain_keys, release_keys, manifests, blocks=False)
-        try:
-            changes = self.local.put(objects, retain_keys, release_keys)
-        except StoreFullError:
-            # The local tier is a cache: pins still count, the bytes stay remote only.
-            changes = self.local.put({}, retain_keys, release_keys)
-        # The local tier counts every pin; the durable store holds a key for this owner
-        # while that count is above zero. Only crossings of zero travel: a prompt shared
-        # by eight requests is one hold in Redis, not eight (and one release).
-        try:
-            self.remote.put(objects, changes.first, changes.last, manifests)
-        except BaseException:
-            # The writer took none of the pins (they ride on a put's last message): a put
-            # that raises changes no count, or the caller's retry would pin twice, and the
-            # durable store would never see those keys' first pins.
-            self.local.undo_pins(retain_keys, release_keys, changes)
-            raise
+        with self._lock:
+            try:
+                changes = self.local.put(objects, retain_keys, release_keys)
+            except StoreFullError:
+                # The local tier is a cache: pins still count, the bytes stay remote only.
+                changes = self.local.put({}, retain_keys, release_keys)
+            # The local tier counts every pin; the durable store holds a key for this
+            # owner while that count is above zero. Only crossings of zero travel: a
+            # prompt shared by eight requests is one hold in Redis, not eight (and one
+            # release).
+            try:
+                if self._by_slot:
+                    self.remote.put(objects, changes.first, changes.last, manifests,
+                                    in_arena=(changes.stored, changes.slots))
+                else:
+                    self.remote.put(objects, changes.first, changes.last, manifests)
+            except BaseException:
+                # The writer took none of the pins (they ride on a put's last message): a
+                # put that raises changes no count, or the caller's retry would pin twice,
+                # and the durable store would never see those keys' first pins.
+                self.local.undo_pins(retain_keys, release_keys, changes)
+                raise
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         try:
@@ -84,8 +105,9 @@ class TieredBlockStore:
         self.remote.read_into(wanted, [targets[i] for i in missing])
         self.remote_reads += len(wanted)
         found = dict(zip(wanted, (targets[i] for i in missing)))
-        # When pinned blocks fill the local tier, the next read simply goes remote again.
-        with contextlib.suppress(StoreFullError):
+        # When pinned blocks fill the local tier, or the writer still reads the slots they
+        # would take, the next read simply goes remote again.
+        with self._lock, contextlib.suppress(StoreFullError, StoreUnavailableError):
             self.local.put({k: np.array(v) for k, v in found.items()})
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
@@ -105,10 +127,10 @@ class TieredBlockStore:
         self.local.drop_blocks()
 
     def close(self) -> None:
-        try:
-            self.remote.close()
-        finally:
-            self.local.close()
+        # The local tier first: it lets go of the arena's slots, which the writer's close
+        # unmaps once the helper has written them.
+        self.local.close()
+        self.remote.close()
 
     def __repr__(self) -> str:
         return f"TieredBlockStore(local={self.local!r}, remote={self.remote!r})"

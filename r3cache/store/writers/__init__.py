@@ -1,6 +1,6 @@
 """Writers that take puts off the engine thread: a thread (background), or a helper
-process fed through a shared-memory ring (process, ring, helper); both bound every wait
-(bounded)."""
+process that reads blocks in shared memory (process, helper; slots: the mappings, arena:
+the in-process tier's blocks, ring: the rest); both bound every wait (bounded)."""
 
 from __future__ import annotations
 

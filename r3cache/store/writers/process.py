@@ -26,6 +26,7 @@ from r3cache.layout import RoutingLayout
 from r3cache.manifest import Manifest
 from r3cache.metrics import WAIT_BUCKETS, Timings
 from r3cache.store.base import StoreStats
+from r3cache.store.writers.arena import BlockArena
 from r3cache.store.writers.bounded import (
     REFUSALS,
     BoundedCalls,
@@ -75,13 +76,14 @@ def _framed(payload: bytes) -> bytes:
 
 def _serve(connection: Connection) -> None:
     """The helper process: open the store, apply puts in order, answer flushes."""
-    (_, url, fingerprint, namespace, options, parent, ring_fd, capacity,
-     patience) = connection.recv()
+    (_, url, fingerprint, namespace, options, parent, ring_fd, capacity, arena_fd,
+     arena_capacity, patience) = connection.recv()
     # Below the engine's priority: when both want a core, inference goes first and
     # writes wait (the bounded queue says when they waited too long).
     os.nice(_NICE)
     layout = RoutingLayout.from_fingerprint(fingerprint)
     ring = BlockRing(layout, capacity, ring_fd)
+    arena = None if arena_fd is None else BlockArena(layout, arena_capacity, arena_fd)
     try:
         store = _open(url, layout, namespace, options, patience)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
@@ -110,12 +112,12 @@ def _serve(connection: Connection) -> None:
             message, carried = carried or connection.recv(), None
             last = time.monotonic()
             if message[0] == "put":
-                message, carried = _gather(connection, message, ring)
+                message, carried = _gather(connection, message, ring, arena)
         except (EOFError, OSError):
             return
         kind = message[0]
         if kind == "put":
-            _, objects, retain, release, manifests, upto = message
+            _, objects, retain, release, manifests, upto, sequence, shared = message
             if not failed:
                 try:
                     if put_until_written(store, (objects, retain, release, manifests),
@@ -138,11 +140,14 @@ def _serve(connection: Connection) -> None:
             counts = store.write_counts()
             changed = None if counts == counts_sent else counts
             counts_sent = counts
-            # put encoded the rows (views of the ring) and kept no view: the slots are
-            # the engine's again, also when the write failed. One answer per put: the
-            # engine pays a read and an unpickling for each.
-            if upto is not None:
-                ring.acknowledge(upto)
+            # put encoded the rows (views of the ring and the arena) and kept no view:
+            # the slots are the engine's again, also when the write failed. One answer
+            # per put: the engine pays a read and an unpickling for each.
+            if upto is not None or sequence is not None:
+                if upto is not None:
+                    ring.acknowledge(upto)
+                if sequence is not None:
+                    arena.acknowledge(sequence, shared)
                 connection.send(("freed", upto, changed))
             elif changed is not None:
                 connection.send(("counts", changed))
@@ -171,8 +176,8 @@ def _tell(connection: Connection, message: tuple) -> None:
         connection.send(message)
 
 
-def _gather(connection: Connection, first: tuple,
-            ring: BlockRing) -> tuple[tuple, tuple | None]:
+def _gather(connection: Connection, first: tuple, ring: BlockRing,
+            arena: BlockArena | None) -> tuple[tuple, tuple | None]:
     """One put made of ``first``, the puts that follow it within ``_LINGER`` seconds and
     those waiting then, for at most another ``_LINGER``.
 
@@ -180,22 +185,30 @@ def _gather(connection: Connection, first: tuple,
     the CPU, and makes larger rounds. Merging keeps every effect: blocks are immutable
     (first writer wins), each put's pins cross zero in order, so a key retained and
     released across them ends with the same hold, and manifests still follow all blocks.
-    Returns the merged put (with the ring slot below which it read everything, or
-    None) and the first non-put message read, if any.
+    Returns the merged put (with the ring slot below which it read everything and the
+    last put of arena slots, each None if none, and how many arena blocks it names) and
+    the first non-put message read, if any.
     """
     objects: dict = {}
     retain: list = []
     release: list = []
     manifests: list = []
-    upto = None
+    upto = sequence = None
+    in_arena = 0
     message: tuple | None = first
     deadline = time.monotonic() + _LINGER
     while message is not None and message[0] == "put" and len(retain) < _GATHER_KEYS:
-        _, keys, start, more_retain, more_release, more_manifests = message
+        (_, keys, start, shared, slots, put_sequence, more_retain, more_release,
+         more_manifests) = message
         if keys:
             for key, rows in zip(keys, ring.view(start, len(keys))):
                 objects.setdefault(key, rows)
             upto = start + len(keys)
+        if shared:
+            for key, slot in zip(shared, slots):
+                objects.setdefault(key, arena.slots[slot])
+            sequence = put_sequence
+            in_arena += len(slots)
         retain += more_retain
         release += more_release
         manifests += more_manifests
@@ -209,7 +222,7 @@ def _gather(connection: Connection, first: tuple,
             message = connection.recv() if connection.poll(0) else None
         else:
             message = None
-    return ("put", objects, retain, release, manifests, upto), message
+    return ("put", objects, retain, release, manifests, upto, sequence, in_arena), message
 
 
 class ProcessWriter:
@@ -218,34 +231,41 @@ class ProcessWriter:
     ``put`` copies the blocks into a shared-memory ring and sends their keys and slots,
     the pins and the manifests to the helper process (``python -m
     r3cache.store.writers.helper``): itself while the socket takes them without waiting,
-    otherwise through a feeder thread and a bounded queue. The helper reads the rows in
-    place, encodes, writes and keeps the holds as its own owner (its lease dies with
-    it). If the queue or the ring stays full for ``max_wait`` seconds (Redis down or
-    stalled), ``put`` raises StoreUnavailableError instead of stalling the engine. A put
-    Redis refuses (unavailable, or full: ``REFUSALS``) the helper writes again until
-    Redis takes it (or the engine hangs up); any other failure in the helper is sticky:
-    every later call raises WriterError.
+    otherwise through a feeder thread and a bounded queue. With ``arena_bytes``, it also
+    owns a BlockArena for the tier in front of it: blocks the tier stored there go by
+    their slot, without a copy. The helper reads the rows in place, encodes, writes and
+    keeps the holds as its own owner (its lease dies with it). If the queue or the ring
+    stays full for ``max_wait`` seconds (Redis down or stalled), ``put`` raises
+    StoreUnavailableError instead of stalling the engine. A put Redis refuses
+    (unavailable, or full: ``REFUSALS``) the helper writes again until Redis takes it (or
+    the engine hangs up); any other failure in the helper is sticky: every later call
+    raises WriterError.
     """
 
     def __init__(self, url: str, layout: RoutingLayout, namespace: str, options: dict,
                  *, max_pending: int = 512, max_wait: float = 10.0,
-                 ring_bytes: int = DEFAULT_RING_BYTES) -> None:
+                 ring_bytes: int = DEFAULT_RING_BYTES, arena_bytes: int = 0) -> None:
         from r3cache.store.redis.connect import open_redis_store
 
         self.layout = layout
         self.namespace = namespace
         self.max_wait = max_wait
         self._ring = BlockRing.sized(layout, ring_bytes)
+        self.arena = BlockArena.sized(layout, arena_bytes) if arena_bytes else None
+        self._sequence = 0  # puts that sent arena slots; the helper acknowledges each
         ours, theirs = socket.socketpair()
+        shared = [self._ring.fd] + ([self.arena.fd] if self.arena else [])
         self._process = subprocess.Popen(
             [sys.executable, "-m", "r3cache.store.writers.helper", str(theirs.fileno())],
-            pass_fds=[theirs.fileno(), self._ring.fd])
+            pass_fds=[theirs.fileno(), *shared])
         theirs.close()
         self._connection = Connection(ours.detach())
         # The same socket, for puts sent without waiting (_hand_over).
         self._sender = socket.socket(fileno=os.dup(self._connection.fileno()))
         self._connection.send(("open", url, layout.fingerprint, namespace, options,
-                               os.getpid(), self._ring.fd, self._ring.capacity, max_wait))
+                               os.getpid(), self._ring.fd, self._ring.capacity,
+                               self.arena and self.arena.fd,
+                               self.arena and self.arena.capacity, max_wait))
         self._outbox: queue.Queue = queue.Queue(maxsize=max_pending)
         self.waits = Timings(WAIT_BUCKETS)  # puts that found the ring or the queue full
         # The helper's own write counts (blocks written, duplicates, conflicts, ...), as
@@ -262,6 +282,11 @@ class ProcessWriter:
         reply = self._reply(timeout=60.0 + max_wait)
         if reply[0] != "ready":
             self._process.wait(10)
+            self._sender.close()
+            self._connection.close()
+            self._ring.close()
+            if self.arena:
+                self.arena.close()
             raise WriterError(f"the writer process could not open {namespace!r}: "
                               f"{reply[1]}: {reply[2]}")
         self._feeder = threading.Thread(target=self._feed, daemon=True,
@@ -274,6 +299,8 @@ class ProcessWriter:
         self.hash_algo = self.reader.hash_algo
         self.owner = reply[1]
         self._reads = BoundedCalls(f"r3cache-read-{namespace}")
+        if self.arena:
+            self.arena.await_acked = self._await_acked
 
     def _feed(self) -> None:
         """Send queued messages to the helper, in order. Puts come pickled and framed:
@@ -298,28 +325,41 @@ class ProcessWriter:
         retain_keys: Collection[str] = (),
         release_keys: Sequence[str] = (),
         manifests: Sequence[Manifest] = (),
+        in_arena: tuple[list[str], list[int]] = ([], []),
     ) -> None:
+        """``in_arena``: the keys of the blocks of ``objects`` that the tier stored in this
+        writer's arena, and their slots; those go without a copy, the rest through the
+        ring."""
         self._check()
         if not (objects or retain_keys or release_keys or manifests):
             return
         deadline = self._deadline()
-        keys, rows = list(objects), list(objects.values())
-        # A put larger than the ring goes as several; pins and manifests ride on the
-        # last, so they still follow every block they name.
+        if not in_arena[0]:
+            keys, rows = list(objects), list(objects.values())
+        elif len(in_arena[0]) == len(objects):  # a step's blocks are all new to the tier
+            keys, rows = [], []
+        else:
+            shared = set(in_arena[0])
+            keys = [k for k in objects if k not in shared]
+            rows = list(map(objects.__getitem__, keys))
+        # A put larger than the ring goes as several; arena slots, pins and manifests
+        # ride on the last, so they still follow every block they name.
         step = self._ring.capacity
         *earlier, last = range(0, len(keys), step) or [0]
         for at in earlier:
-            self._send_blocks(keys[at : at + step], rows[at : at + step], [], [], [],
-                              deadline)
+            self._send_blocks(keys[at : at + step], rows[at : at + step], ([], []), [], [],
+                              [], deadline)
         # Pickled here, before put returns: what the helper gets is a copy the caller's
         # later edits cannot reach (inline rows may be views of a buffer it reuses).
-        self._send_blocks(keys[last:], rows[last:], list(retain_keys), list(release_keys),
-                          list(manifests), deadline)
+        self._send_blocks(keys[last:], rows[last:], in_arena, list(retain_keys),
+                          list(release_keys), list(manifests), deadline)
 
-    def _send_blocks(self, keys: list[str], rows: list[np.ndarray], retain: Collection[str],
+    def _send_blocks(self, keys: list[str], rows: list[np.ndarray],
+                     in_arena: tuple[list[str], list[int]], retain: Collection[str],
                      release: Sequence[str], manifests: Sequence[Manifest],
                      deadline: float) -> None:
         start, began = None, None  # began: when this put first had to wait
+        sequence = self._sequence + 1 if in_arena[0] else None
         try:
             if keys:
                 start = self._ring.place(len(keys))
@@ -331,7 +371,8 @@ class ProcessWriter:
                 # then its local put) and the publisher (its rows, manifests of its own
                 # making).
                 self._ring.write(start, rows)
-            item = pickle.dumps(("put", keys, start, retain, release, manifests),
+            item = pickle.dumps(("put", keys, start, *in_arena, sequence, retain, release,
+                                 manifests),
                                 protocol=pickle.HIGHEST_PROTOCOL)
             item = self._hand_over(_framed(item))
             if item is not None:
@@ -343,6 +384,9 @@ class ProcessWriter:
                         self._enqueue(item, timeout=max(deadline - time.monotonic(), 0))
                     except queue.Full:
                         self._unavailable()
+            if sequence is not None:  # sent (or queued): the tier waits before reusing
+                self._sequence = sequence
+                self.arena.sent(in_arena[1], sequence)
         finally:
             if began is not None:
                 self.waits.observe(time.monotonic() - began)
@@ -365,6 +409,14 @@ class ProcessWriter:
     def _enqueue(self, message, block: bool = True, timeout: float | None = None) -> None:
         self._outbox.put(message, block, timeout)
         self._queued += 1
+
+    def _await_acked(self, sequence: int) -> None:
+        """Return once the helper has encoded every put up to ``sequence``: the arena's
+        slots those sent may be written again. Waits as long as a put may."""
+        self._check()
+        deadline = self._deadline()
+        while self.arena.acked < sequence:
+            self._await_reply(deadline)
 
     def _await_reply(self, deadline: float) -> None:
         # An answer already there counts even past the deadline: a helper that moved again
@@ -452,6 +504,11 @@ class ProcessWriter:
         encoded yet, and how many the ring holds."""
         return self._ring.in_use, self._ring.capacity
 
+    @property
+    def arena_unencoded(self) -> int:
+        """Blocks of the tier's arena sent to the helper that it has not encoded yet."""
+        return self.arena.unencoded if self.arena else 0
+
     def close(self) -> None:
         """Drain the queue, let the helper drop its holds and lease, and stop it.
 
@@ -481,6 +538,8 @@ class ProcessWriter:
         finally:
             self._hang_up()
             self._ring.close()
+            if self.arena:
+                self.arena.close()
             self._reads.close()
             self.reader.close()
         if self._error:
@@ -508,8 +567,9 @@ class ProcessWriter:
         except (EOFError, OSError):
             raise WriterError(f"the writer process for {self.namespace!r} exited "
                               f"(code {self._process.poll()})") from None
-        if reply[0] == "freed":
-            self._ring.freed(reply[1])
+        if reply[0] == "freed":  # the arena's acknowledgement is in its mapping already
+            if reply[1] is not None:
+                self._ring.freed(reply[1])
             if reply[2] is not None:
                 self._write_counts = reply[2]
         elif reply[0] == "variants":

@@ -1,6 +1,8 @@
 """BlockRing: shared memory through which the engine hands blocks to the writer process.
 
-The engine copies a put's blocks into consecutive slots of a memfd-backed mapping and
+It carries the blocks that do not live in the in-process tier's arena (``arena``): a
+publisher's, duplicates, blocks a tier full of pinned ones could not take. The engine
+copies a put's blocks into consecutive slots of a memfd-backed mapping and
 sends only their keys and slot numbers over the socket; the helper maps the same
 memory, reads the rows in place, and acknowledges each put once it has encoded them.
 Pickling 64 blocks for the socket cost the engine process ~0.4 ms of GIL-held copying
@@ -17,14 +19,12 @@ slots in use can be read (for metrics) without reading the socket.
 
 from __future__ import annotations
 
-import math
-import mmap
-import os
 from collections import deque
 
 import numpy as np
 
 from r3cache.layout import RoutingLayout
+from r3cache.store.writers.slots import SharedSlots
 
 DEFAULT_RING_BYTES = 64 << 20
 
@@ -35,20 +35,14 @@ class BlockRing:
     def __init__(self, layout: RoutingLayout, capacity: int, fd: int | None = None) -> None:
         self.capacity = capacity
         self._block_nbytes = layout.block_nbytes
-        size = capacity * layout.block_nbytes
-        acked_at = -(-size // 8) * 8  # an aligned int64 after the slots
-        if fd is None:  # the engine creates it; the helper is given the descriptor
-            fd = os.memfd_create("r3cache-ring", os.MFD_CLOEXEC)
-            os.ftruncate(fd, acked_at + 8)
-        self.fd = fd
         # Populated at once: a slot's first write would otherwise fault in (allocate and
         # zero) fresh shared pages in the engine's step, ~0.3 ms a step until the ring
         # has wrapped once (64 MiB: minutes of decoding). Start-up pays it instead.
-        self._map = mmap.mmap(fd, acked_at + 8, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        count = capacity * math.prod(layout.block_shape)
-        self.slots = np.frombuffer(self._map, layout.dtype, count).reshape(
-            capacity, *layout.block_shape)
-        self._acked = np.frombuffer(self._map, np.int64, 1, acked_at)
+        self._shared = SharedSlots(layout, capacity, fd, words=1, populate=True)
+        self.fd = self._shared.fd
+        self._map = self._shared.map
+        self.slots = self._shared.slots
+        self._acked = self._shared.words  # the helper's latest acknowledgement
         self.head = 0
         self.tail = 0
 
@@ -99,5 +93,4 @@ class BlockRing:
 
     def close(self) -> None:
         del self.slots, self._acked  # the mapping cannot close while arrays export it
-        self._map.close()
-        os.close(self.fd)
+        self._shared.close()
