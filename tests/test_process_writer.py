@@ -241,8 +241,9 @@ def test_puts_the_socket_cannot_take_at_once_follow_through_the_feeder_in_order(
 def test_a_tier_slot_is_written_again_only_once_the_helper_has_read_it(redis_url, namespace):
     """The tier's blocks go to the helper by their slot in its arena. With the helper
     stopped before it read two of them, a put that would evict them (a tier of two blocks)
-    waits for it, then fails after max_wait, changing nothing; the helper, going on, still
-    finds the rows it was sent, and the put taken again evicts them."""
+    waits for it (a wait the metrics count), then fails after max_wait, changing nothing;
+    the helper, going on, still finds the rows it was sent, and the put taken again evicts
+    them."""
     writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60}, max_wait=0.5,
                            arena_bytes=2 * LAYOUT.block_nbytes)
     local = MemoryBlockStore(LAYOUT, namespace, 2 * LAYOUT.block_nbytes, arena=writer.arena)
@@ -258,6 +259,8 @@ def test_a_tier_slot_is_written_again_only_once_the_helper_has_read_it(redis_url
             tier.put({k: blocks[k] for k in ("k2", "k3")})
         assert time.perf_counter() - began >= 0.5
         assert set(local._blocks) == {"k0", "k1"}
+        # A put's wait for the writer, on the metrics' histogram.
+        assert writer.waits.count == 1 and writer.waits.total >= 0.5
     finally:
         writer._process.send_signal(signal.SIGCONT)
     tier.put({k: blocks[k] for k in ("k2", "k3")})

@@ -412,11 +412,16 @@ class ProcessWriter:
 
     def _await_acked(self, sequence: int) -> None:
         """Return once the helper has encoded every put up to ``sequence``: the arena's
-        slots those sent may be written again. Waits as long as a put may."""
+        slots those sent may be written again. Waits as long as a put may, and counts as
+        a put's wait for the writer."""
         self._check()
+        began = time.monotonic()
         deadline = self._deadline()
-        while self.arena.acked < sequence:
-            self._await_reply(deadline)
+        try:
+            while self.arena.acked < sequence:
+                self._await_reply(deadline)
+        finally:
+            self.waits.observe(time.monotonic() - began)
 
     def _await_reply(self, deadline: float) -> None:
         # An answer already there counts even past the deadline: a helper that moved again
