@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
+import subprocess
 import threading
 import time
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from r3cache import RoutingLayout, WorkerConnector, open_store
-from r3cache.errors import StoreUnavailableError, WriterError
+from r3cache.errors import StoreFullError, StoreUnavailableError, WriterError
 from r3cache.manifest import BlockRef, BlockSpan, Completion, Manifest
 from r3cache.sim import Engine, SimConfig, SimRequest, oracle_rows
 from r3cache.store.memory import MemoryBlockStore
@@ -269,6 +271,23 @@ def test_a_tier_slot_is_written_again_only_once_the_helper_has_read_it(redis_url
     np.testing.assert_array_equal(writer.reader.get_concatenated(list(blocks)),
                                   np.concatenate(list(blocks.values())))
     tier.close()
+
+
+def test_a_tier_too_small_for_one_block_is_refused_before_a_helper_starts(redis_url,
+                                                                          namespace):
+    """The tier's arena is the helper's: its size is checked before the helper is spawned,
+    or the refused connector would leave a helper process running."""
+    def children() -> set[str]:
+        return set(subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
+                                  text=True).stdout.split())
+
+    before = children()
+    store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
+    with pytest.raises(StoreFullError, match="cannot hold one block"):
+        WorkerConnector(layout=LAYOUT, store=store, writer="process",
+                        local_tier_bytes=LAYOUT.block_nbytes - 1)
+    store.close()
+    assert children() == before
 
 
 def test_the_ring_wraps_and_waits_for_acknowledged_slots():

@@ -39,7 +39,7 @@ from r3cache.manifest import (
 )
 from r3cache.metrics import SOURCES
 from r3cache.store.base import BlockStore, check_layout_and_store
-from r3cache.store.memory import MemoryBlockStore
+from r3cache.store.memory import MemoryBlockStore, check_capacity
 from r3cache.store.tiered import TieredBlockStore
 from r3cache.store.writers import choose_writer
 from r3cache.store.writers.background import BackgroundBlockStore
@@ -223,6 +223,7 @@ class WorkerConnector:
             # A durable store gets an in-process tier, so the engine's own prefix hits
             # never wait on the writer or the network. writer="process" moves encoding
             # and Redis I/O to a helper process, off this process's GIL.
+            check_capacity(layout, local_tier_bytes)  # before a helper starts
             if writer == "process" and getattr(store, "reopen_args", None):
                 # The tier's blocks in the helper's arena: it reads them where they are.
                 store = spawn_writer(store, max_pending=2 * max_num_seqs, max_wait=store_wait,

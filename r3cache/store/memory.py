@@ -20,6 +20,13 @@ from r3cache.store.pool import BlockPool
 DEFAULT_MAX_BYTES = 1 << 30
 
 
+def check_capacity(layout: RoutingLayout, max_bytes: int) -> None:
+    """Refuse a store bound that cannot hold one block."""
+    if max_bytes < layout.block_nbytes:
+        raise StoreFullError(
+            f"max_bytes={max_bytes} cannot hold one block of {layout.block_nbytes} bytes")
+
+
 class PutChanges(NamedTuple):
     """What one put did: to the pins, in call order, and where it stored new blocks."""
 
@@ -43,10 +50,7 @@ class MemoryBlockStore:
         self, layout: RoutingLayout, namespace: str = "default", max_bytes: int = DEFAULT_MAX_BYTES,
         hash_algo: str = "sha256", arena=None,
     ) -> None:
-        if max_bytes < layout.block_nbytes:
-            raise StoreFullError(
-                f"max_bytes={max_bytes} cannot hold one block of {layout.block_nbytes} bytes"
-            )
+        check_capacity(layout, max_bytes)
         if arena is not None and arena.capacity < max_bytes // layout.block_nbytes:
             raise ContractError(f"an arena of {arena.capacity} blocks cannot hold "
                                 f"max_bytes={max_bytes}")
