@@ -36,7 +36,7 @@ class BlockArena(BlockPool):
         self.slots = self._shared.slots
         self._words = self._shared.words
         self._sent = np.zeros(capacity, np.int64)  # the latest put that sent each slot
-        self._latest = 0  # the latest put that sent any
+        self.latest = 0  # the latest put that sent any (puts are numbered from 1)
         self._sent_blocks = 0  # blocks sent, counted as the helper counts them encoded
         # Set by the writer: returns once ``acked`` reaches its argument, or raises.
         self.await_acked: Callable[[int], None] | None = None
@@ -65,7 +65,7 @@ class BlockArena(BlockPool):
     def claim(self, slots: list[int]) -> None:
         """Return once the helper has encoded every put that sent one of ``slots``; raises
         (StoreUnavailableError after the writer's wait, WriterError) otherwise."""
-        if self._latest <= self.acked or not slots:  # most claims: nothing in flight
+        if self.latest <= self.acked or not slots:  # most claims: nothing in flight
             return
         needed = int(self._sent[np.fromiter(slots, np.int64, len(slots))].max())
         if needed > self.acked:
@@ -74,7 +74,7 @@ class BlockArena(BlockPool):
     def sent(self, slots: Sequence[int], sequence: int) -> None:
         """``slots`` went to the helper with put ``sequence``."""
         self._sent[np.fromiter(slots, np.int64, len(slots))] = sequence
-        self._latest = sequence
+        self.latest = sequence
         self._sent_blocks += len(slots)
 
     def acknowledge(self, sequence: int, blocks: int) -> None:

@@ -252,7 +252,6 @@ class ProcessWriter:
         self.max_wait = max_wait
         self._ring = BlockRing.sized(layout, ring_bytes)
         self.arena = BlockArena.sized(layout, arena_bytes) if arena_bytes else None
-        self._sequence = 0  # puts that sent arena slots; the helper acknowledges each
         ours, theirs = socket.socketpair()
         shared = [self._ring.fd] + ([self.arena.fd] if self.arena else [])
         self._process = subprocess.Popen(
@@ -359,7 +358,8 @@ class ProcessWriter:
                      release: Sequence[str], manifests: Sequence[Manifest],
                      deadline: float) -> None:
         start, began = None, None  # began: when this put first had to wait
-        sequence = self._sequence + 1 if in_arena[0] else None
+        # Numbered only once sent: a put that fails here leaves its number to the next.
+        sequence = self.arena.latest + 1 if in_arena[0] else None
         try:
             if keys:
                 start = self._ring.place(len(keys))
@@ -385,7 +385,6 @@ class ProcessWriter:
                     except queue.Full:
                         self._unavailable()
             if sequence is not None:  # sent (or queued): the tier waits before reusing
-                self._sequence = sequence
                 self.arena.sent(in_arena[1], sequence)
         finally:
             if began is not None:

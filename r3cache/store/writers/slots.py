@@ -18,8 +18,6 @@ class SharedSlots:
 
     def __init__(self, layout: RoutingLayout, capacity: int, fd: int | None = None, *,
                  words: int = 0, populate: bool = False) -> None:
-        self.capacity = capacity
-        self.block_nbytes = layout.block_nbytes
         size = capacity * layout.block_nbytes
         words_at = -(-size // 8) * 8  # aligned int64 counters after the slots
         if fd is None:
