@@ -61,6 +61,10 @@ class Completion(NamedTuple):
 
 def is_completion(value: object) -> bool:
     """Whether ``value`` is two counts: a prompt start and a number of tokens."""
+    if value.__class__ is Completion:  # the engine's own: two plain ints, no call each
+        start, num_tokens = value
+        if start.__class__ is int and num_tokens.__class__ is int:
+            return start >= 0 and num_tokens >= 0
     return isinstance(value, tuple) and len(value) == 2 and all(
         is_int(n) and n >= 0 for n in value)
 
@@ -130,7 +134,10 @@ def _checked_rows(parts: Sequence[Segment], layout: RoutingLayout,
                 raise ContractError(f"{where()}: {part!r:.120} is not a slice of one block")
             rows += stop - start
             continue
-        layout.check_rows(part, f"{where()}: inline rows")
+        try:
+            layout.check_rows(part, "inline rows")
+        except LayoutMismatchError as exc:  # the manifest named only in a refusal
+            raise LayoutMismatchError(f"{where()}: {exc}") from None
         rows += len(part)
     return rows
 
@@ -223,11 +230,14 @@ class Manifest:
                 "".join(segments.keys)  # one C pass that takes nothing but str
             except TypeError:
                 raise ContractError(f"{where()}: block keys must be str") from None
-            rows = (_checked_rows([*segments.head, *segments.tail], layout, where)
+            rows = (_checked_rows(segments.head, layout, where)
+                    + _checked_rows(segments.tail, layout, where)
                     + len(segments.keys) * layout.block_size)
         else:
             rows = _checked_rows(segments, layout, where)
-        expected = Completion(*completion).num_rows
+        if completion.__class__ is not Completion:
+            completion = Completion(*completion)
+        expected = completion.num_rows
         if rows != expected:
             raise ContractError(f"{where()}: segments hold {rows} rows, the request has "
                                 f"{expected}")
