@@ -104,11 +104,11 @@ class TieredBlockStore:
         wanted = [keys[i] for i in missing]
         self.remote.read_into(wanted, [targets[i] for i in missing])
         self.remote_reads += len(wanted)
-        found = dict(zip(wanted, (targets[i] for i in missing)))
-        # When pinned blocks fill the local tier, or the writer still reads the slots they
-        # would take, the next read simply goes remote again.
+        # The local tier copies the blocks into its own slots: the caller keeps its targets.
+        # When pinned blocks fill it, or the writer still reads the slots they would take,
+        # the next read simply goes remote again.
         with self._lock, contextlib.suppress(StoreFullError, StoreUnavailableError):
-            self.local.put({k: np.array(v) for k, v in found.items()})
+            self.local.put(dict(zip(wanted, (targets[i] for i in missing))))
 
     def get_manifests(self, request_ids: Sequence[str]) -> list[Manifest | None]:
         return self.remote.get_manifests(request_ids)
