@@ -49,24 +49,44 @@ def test_the_simulator_verifies_with_a_process_writer(redis_url, namespace, tier
     check.close()
 
 
-def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namespace):
-    """Blocks go by the ring, manifests by a message pickled in put: editing the caller's
-    arrays afterwards (a reused tail, a capture buffer) reaches neither."""
+@pytest.mark.parametrize("path", ["straight", "feeder"])
+def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namespace, path):
+    """Blocks go by the ring; manifests and pins by a message pickled in put, or, queued
+    behind puts the feeder has yet to send (the helper stopped, the socket full), by copies
+    the feeder pickles later: editing the caller's arrays and lists afterwards (a reused
+    tail, a capture buffer) reaches none of them."""
     writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60})
+    filler = [f"{i:064x}" for i in range(2000)]  # ~140 KB a put: a few fill the socket
+    fills = 0
+    if path == "feeder":
+        writer._process.send_signal(signal.SIGSTOP)
+        while writer._queued == 0:
+            writer.put({}, filler)
+            fills += 1
     block = oracle_rows(np.arange(16), LAYOUT)
     inline = oracle_rows(np.arange(100, 116), LAYOUT)
     tail = inline[:5]  # a view, as the worker's manifests hold of a request's tail
-    manifest = Manifest("req", LAYOUT.fingerprint, Completion(0, 22),
-                        [BlockRef("k", 0, 16), tail])
+    segments = [BlockRef("k", 0, 16), tail]
+    manifest = Manifest("req", LAYOUT.fingerprint, Completion(0, 22), segments)
+    retain = ["k", "k"]
     sent = block.copy()
-    writer.put({"k": sent}, ["k"], manifests=[manifest])
+    queued = writer._queued
+    writer.put({"k": sent}, retain, ["k"], manifests=[manifest])
+    assert writer._queued == queued + (path == "feeder")
     sent[...] = 0
     inline[...] = 0
+    segments[0] = BlockRef("other", 0, 16)
+    retain.append("k")
+    if path == "feeder":
+        writer._process.send_signal(signal.SIGCONT)
     writer.flush()
     (got,) = writer.get_manifests(["req"])
+    assert got.segments[0] == BlockRef("k", 0, 16)
     np.testing.assert_array_equal(got.segments[1], oracle_rows(np.arange(100, 105), LAYOUT))
     np.testing.assert_array_equal(writer.get_concatenated(["k"]), block)
+    assert writer.reader.refcount("k") == 1  # two pins, one release: the put's own
     writer.release_manifests(["req"])
+    writer.put({}, release_keys=["k"] + filler * fills)
     writer.close()
 
 
@@ -238,6 +258,26 @@ def test_puts_the_socket_cannot_take_at_once_follow_through_the_feeder_in_order(
     np.testing.assert_array_equal(reader.get_concatenated(["blk"]), rows)
     writer.put({}, release_keys=keys)
     writer.close()
+
+
+def test_a_queued_put_the_feeder_cannot_pickle_fails_the_writer_at_the_next_call(
+        redis_url, namespace):
+    """A put queued behind the feeder is pickled there: one that cannot be (a key no
+    caller that checks its keys would pass) makes the next call raise WriterError, not
+    wait for a feeder that is gone."""
+    writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60})
+    writer._process.send_signal(signal.SIGSTOP)
+    filler = [f"{i:064x}" for i in range(2000)]
+    while writer._queued == 0:
+        writer.put({}, filler)
+    writer.put({}, [lambda: None])
+    writer._process.send_signal(signal.SIGCONT)
+    wait_for(lambda: writer._error is not None, 10, "the feeder to fail")
+    with pytest.raises(WriterError, match="PicklingError|AttributeError"):
+        writer.put({}, ["k"])
+    writer._process.kill()
+    with pytest.raises((WriterError, StoreUnavailableError)):
+        writer.close()
 
 
 def test_a_tier_slot_is_written_again_only_once_the_helper_has_read_it(redis_url, namespace):

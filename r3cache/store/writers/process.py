@@ -74,6 +74,10 @@ def _framed(payload: bytes) -> bytes:
     return (struct.pack("!i", n) if n < 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + payload
 
 
+def _pickled(message: tuple) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _serve(connection: Connection) -> None:
     """The helper process: open the store, apply puts in order, answer flushes."""
     (_, url, fingerprint, namespace, options, parent, ring_fd, capacity, arena_fd,
@@ -228,18 +232,18 @@ def _gather(connection: Connection, first: tuple, ring: BlockRing,
 class ProcessWriter:
     """Own a helper process that writes to a Redis store, and a read handle in this process.
 
-    ``put`` copies the blocks into a shared-memory ring and sends their keys and slots,
-    the pins and the manifests to the helper process (``python -m
+    ``put`` copies the blocks into a shared-memory ring and sends their keys and slots, the
+    pins and the manifests to the helper process (``python -m
     r3cache.store.writers.helper``): itself while the socket takes them without waiting,
-    otherwise through a feeder thread and a bounded queue. With ``arena_bytes``, it also
-    owns a BlockArena for the tier in front of it: blocks the tier stored there go by
-    their slot, without a copy. The helper reads the rows in place, encodes, writes and
-    keeps the holds as its own owner (its lease dies with it). If the queue or the ring
-    stays full for ``max_wait`` seconds (Redis down or stalled), ``put`` raises
-    StoreUnavailableError instead of stalling the engine. A put Redis refuses
+    otherwise through a bounded queue and a feeder thread, which pickles them. With
+    ``arena_bytes``, it also owns a BlockArena for the tier in front of it: blocks the tier
+    stored there go by their slot, without a copy. The helper reads the rows in place,
+    encodes, writes and keeps the holds as its own owner (its lease dies with it). If the
+    queue or the ring stays full for ``max_wait`` seconds (Redis down or stalled), ``put``
+    raises StoreUnavailableError instead of stalling the engine. A put Redis refuses
     (unavailable, or full: ``REFUSALS``) the helper writes again until Redis takes it (or
-    the engine hangs up); any other failure in the helper is sticky: every later call
-    raises WriterError.
+    the engine hangs up); any other failure in the helper is sticky: every later call raises
+    WriterError.
     """
 
     def __init__(self, url: str, layout: RoutingLayout, namespace: str, options: dict,
@@ -302,18 +306,23 @@ class ProcessWriter:
             self.arena.await_acked = self._await_acked
 
     def _feed(self) -> None:
-        """Send queued messages to the helper, in order. Puts come pickled and framed:
-        this thread then holds the GIL only to hand their bytes to the socket, not to
-        pickle them while the engine thread waits for it."""
+        """Send queued messages to the helper, in order: framed bytes as they are (the rest
+        of a put sent in part), puts queued behind others pickled here."""
         while True:
             message = self._outbox.get()
             try:
                 if message.__class__ is bytes:
                     self._sender.sendall(message)  # framed by _hand_over
+                elif message[0] == "put":
+                    self._sender.sendall(_framed(_pickled(message)))
                 else:
                     self._connection.send(message)
             except OSError:
                 return  # the helper is gone; _check reports it
+            except Exception as exc:  # noqa: BLE001 - a put that cannot be pickled
+                self._error = (f"background writer for namespace {self.namespace!r} failed: "
+                               f"{type(exc).__name__}: {exc}")
+                return
             self._fed += 1  # only this thread writes it
             if message[0] == "close":
                 return
@@ -348,8 +357,8 @@ class ProcessWriter:
         for at in earlier:
             self._send_blocks(keys[at : at + step], rows[at : at + step], ([], []), [], [],
                               [], deadline)
-        # Pickled here, before put returns: what the helper gets is a copy the caller's
-        # later edits cannot reach (inline rows may be views of a buffer it reuses).
+        # Copies of the caller's collections: what the helper gets is this put's own,
+        # whether pickled before put returns or later by the feeder (_send_blocks).
         self._send_blocks(keys[last:], rows[last:], in_arena, list(retain_keys),
                           list(release_keys), list(manifests), deadline)
 
@@ -371,10 +380,17 @@ class ProcessWriter:
                 # then its local put) and the publisher (its rows, manifests of its own
                 # making).
                 self._ring.write(start, rows)
-            item = pickle.dumps(("put", keys, start, *in_arena, sequence, retain, release,
-                                 manifests),
-                                protocol=pickle.HIGHEST_PROTOCOL)
-            item = self._hand_over(_framed(item))
+            if self._queued != self._fed:
+                # Behind the puts the feeder has yet to send: it pickles this one too, off
+                # the engine's step (on two cores, while the engine's numpy copies leave
+                # the GIL). Nothing it pickles may change until then: the arena's lists
+                # and the manifests go as copies (inline rows may be views of a buffer the
+                # caller reuses).
+                item = ("put", keys, start, [*in_arena[0]], [*in_arena[1]], sequence,
+                        retain, release, [m.own_copy() for m in manifests])
+            else:
+                item = self._hand_over(_framed(_pickled(
+                    ("put", keys, start, *in_arena, sequence, retain, release, manifests))))
             if item is not None:
                 try:
                     self._enqueue(item, block=False)
