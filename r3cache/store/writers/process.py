@@ -320,8 +320,7 @@ class ProcessWriter:
             except OSError:
                 return  # the helper is gone; _check reports it
             except Exception as exc:  # noqa: BLE001 - a put that cannot be pickled
-                self._error = (f"background writer for namespace {self.namespace!r} failed: "
-                               f"{type(exc).__name__}: {exc}")
+                self._failed(type(exc).__name__, str(exc))
                 return
             self._fed += 1  # only this thread writes it
             if message[0] == "close":
@@ -603,9 +602,13 @@ class ProcessWriter:
             log.warning("namespace %r: Redis refused a batch; the writer process writes it "
                         "again until Redis takes it: %s", self.namespace, reply[1])
         elif reply[0] == "error":
-            self._error = (f"background writer for namespace {self.namespace!r} failed: "
-                           f"{reply[1]}: {reply[2]}")
+            self._failed(reply[1], reply[2])
         return reply
+
+    def _failed(self, kind: str, message: str) -> None:
+        """The writer failed for good: every later call raises WriterError."""
+        self._error = (f"background writer for namespace {self.namespace!r} failed: "
+                       f"{kind}: {message}")
 
     def _check(self) -> None:
         if self._closed:
