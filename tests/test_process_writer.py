@@ -49,6 +49,20 @@ def test_the_simulator_verifies_with_a_process_writer(redis_url, namespace, tier
     check.close()
 
 
+_FILLER = [f"{i:064x}" for i in range(2000)]  # pins of ~140 KB a put: a few fill the socket
+
+
+def _queue_behind_a_stopped_helper(writer: ProcessWriter) -> int:
+    """Stop the helper and pin ``_FILLER`` until a put waits in the feeder's queue (the
+    socket full); returns how many puts that took."""
+    writer._process.send_signal(signal.SIGSTOP)
+    fills = 0
+    while writer._queued == 0:
+        writer.put({}, _FILLER)
+        fills += 1
+    return fills
+
+
 @pytest.mark.parametrize("path", ["straight", "feeder"])
 def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namespace, path):
     """Blocks go by the ring; manifests and pins by a message pickled in put, or, queued
@@ -56,13 +70,7 @@ def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namesp
     the feeder pickles later: editing the caller's arrays and lists afterwards (a reused
     tail, a capture buffer) reaches none of them."""
     writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60})
-    filler = [f"{i:064x}" for i in range(2000)]  # ~140 KB a put: a few fill the socket
-    fills = 0
-    if path == "feeder":
-        writer._process.send_signal(signal.SIGSTOP)
-        while writer._queued == 0:
-            writer.put({}, filler)
-            fills += 1
+    fills = _queue_behind_a_stopped_helper(writer) if path == "feeder" else 0
     block = oracle_rows(np.arange(16), LAYOUT)
     inline = oracle_rows(np.arange(100, 116), LAYOUT)
     tail = inline[:5]  # a view, as the worker's manifests hold of a request's tail
@@ -86,7 +94,7 @@ def test_what_put_hands_the_helper_is_its_own_once_put_returns(redis_url, namesp
     np.testing.assert_array_equal(writer.get_concatenated(["k"]), block)
     assert writer.reader.refcount("k") == 1  # two pins, one release: the put's own
     writer.release_manifests(["req"])
-    writer.put({}, release_keys=["k"] + filler * fills)
+    writer.put({}, release_keys=["k"] + _FILLER * fills)
     writer.close()
 
 
@@ -266,10 +274,7 @@ def test_a_queued_put_the_feeder_cannot_pickle_fails_the_writer_at_the_next_call
     caller that checks its keys would pass) makes the next call raise WriterError, not
     wait for a feeder that is gone."""
     writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60})
-    writer._process.send_signal(signal.SIGSTOP)
-    filler = [f"{i:064x}" for i in range(2000)]
-    while writer._queued == 0:
-        writer.put({}, filler)
+    _queue_behind_a_stopped_helper(writer)
     writer.put({}, [lambda: None])
     writer._process.send_signal(signal.SIGCONT)
     wait_for(lambda: writer._error is not None, 10, "the feeder to fail")

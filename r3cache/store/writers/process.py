@@ -379,17 +379,17 @@ class ProcessWriter:
                 # then its local put) and the publisher (its rows, manifests of its own
                 # making).
                 self._ring.write(start, rows)
-            if self._queued != self._fed:
+            queued = self._queued != self._fed
+            if queued:
                 # Behind the puts the feeder has yet to send: it pickles this one too, off
                 # the engine's step (on two cores, while the engine's numpy copies leave
                 # the GIL). Nothing it pickles may change until then: the arena's lists
                 # and the manifests go as copies (inline rows may be views of a buffer the
                 # caller reuses).
-                item = ("put", keys, start, [*in_arena[0]], [*in_arena[1]], sequence,
-                        retain, release, [m.own_copy() for m in manifests])
-            else:
-                item = self._hand_over(_framed(_pickled(
-                    ("put", keys, start, *in_arena, sequence, retain, release, manifests))))
+                in_arena = ([*in_arena[0]], [*in_arena[1]])
+                manifests = [m.own_copy() for m in manifests]
+            message = ("put", keys, start, *in_arena, sequence, retain, release, manifests)
+            item = message if queued else self._hand_over(_framed(_pickled(message)))
             if item is not None:
                 try:
                     self._enqueue(item, block=False)
