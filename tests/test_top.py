@@ -108,6 +108,13 @@ def test_top_warns_of_an_eviction_policy_that_can_drop_held_blocks_and_ends_on_c
         assert "Traceback" not in term.screen()
 
 
+def _ctrl_c_as_in_a_shell() -> None:
+    """SIGINT at its default in the child, as a shell's foreground command has it: a
+    suite started in the background (`cmd &`) ignores SIGINT, its children inherit that,
+    and Python then raises no KeyboardInterrupt for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_top_prints_plain_snapshots_where_stdout_is_no_terminal_and_ends_on_ctrl_c():
     """A pipe, a file or `kubectl exec` without -t: no screen to draw on, so each snapshot
     is printed as lines, and Ctrl-C ends it as in a terminal."""
@@ -116,7 +123,8 @@ def test_top_prints_plain_snapshots_where_stdout_is_no_terminal_and_ends_on_ctrl
         top = subprocess.Popen(_top(server.url, "--namespace", "piped").split(),
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               preexec_fn=_ctrl_c_as_in_a_shell)
         time.sleep(3)  # the interpreter's start, then snapshots every 0.5 s
         top.send_signal(signal.SIGINT)
         out, err = top.communicate(timeout=30)
