@@ -3,7 +3,7 @@
 Everything binds to 127.0.0.1 on free ports and lives in a temporary directory that
 ``stop()`` removes. Usable as context managers, or from the shell::
 
-    python -m r3cache.testing cluster   # prints the URL, runs until Ctrl-C
+    python -m r3cache.testing cluster   # prints the URL, runs until Ctrl-C or kill
 """
 
 from __future__ import annotations
@@ -251,6 +251,10 @@ def machine_redis(prefix: str, url: str | None = None):
 def main(argv: list[str]) -> int:
     kind = argv[0] if argv else "cluster"
     runner = RedisClusterProcesses() if kind == "cluster" else RedisServer()
+    # A plain kill (SIGTERM) or a closed terminal (SIGHUP) ends it as Ctrl-C does, the
+    # servers stopped and their files removed: by default either would leave them running.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     with runner:
         print(runner.url, flush=True)
         with contextlib.suppress(KeyboardInterrupt):
