@@ -41,6 +41,7 @@ plugin on a redis-server and a 6-node cluster it starts (in-process tier in fron
 helper-process writer: what the plugin runs with a redis:// URL), in a lock step of their
 own against the embedded store, apart from vLLM: their helpers keep working through the
 other connectors' steps.
+
 --without takes parts out of r3cache's step to bound what any implementation of them could
 gain: "store" makes the embedded store's put store and pin nothing (the connector still
 builds and hands over every block), "idcheck" skips the expert-ID check. The rows then
