@@ -64,7 +64,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                       help="most tokens in one engine step (default: %(default)s)")
     demo.add_argument("--kv-blocks", type=_positive, default=512,
                       help="KV cache pool in blocks; small enough to force preemptions")
-    demo.add_argument("--seed", type=int, default=0,
+    demo.add_argument("--seed", type=_non_negative, default=0,
                       help="seed of the workload, the sampler and the tiny model (default: 0)")
     demo.set_defaults(func=_run_demo)
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from r3cache import checks
 from r3cache.connector.metadata import RequestOutput, StepBatch
 from r3cache.connector.scheduler import SchedulerConnector
 from r3cache.connector.worker import WorkerConnector
-from r3cache.errors import R3Error
+from r3cache.errors import ContractError, R3Error
 from r3cache.hashing import block_hashes
 from r3cache.layout import RoutingLayout
 from r3cache.store.base import StoreStats
@@ -154,6 +155,17 @@ class SimConfig:
     max_steps: int = 200_000
     seed: int = 0
     forward_seconds: float = 0.0  # slept per step where the model runs: an engine's pace
+
+    def __post_init__(self) -> None:
+        # Checked when made: a bad knob would otherwise surface steps later, as a stall
+        # ("no progress") or as numpy's error halfway through a run.
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "async_depth",
+                     "max_steps"):
+            checks.count(getattr(self, name), name, 1)
+        for name in ("num_spec_tokens", "clear_local_tier_every", "seed"):
+            checks.count(getattr(self, name), name)
+        _probability(self.reject_prob, "reject_prob")
+        checks.seconds(self.forward_seconds, "forward_seconds")
 
 
 @dataclass
@@ -611,6 +623,24 @@ def simulate(
         worker.close()
 
 
+def _probability(value: object, name: str) -> None:
+    if not (checks.is_int(value) or isinstance(value, (float, np.floating))) or not (
+            0 <= value <= 1):
+        raise ContractError(f"{name} must be a probability between 0 and 1, not {value!r:.40}")
+
+
+def _length_range(bounds: object, name: str, minimum: int) -> tuple[int, int]:
+    """``bounds`` as (low, high) for rng.integers: lengths from low up to high - 1."""
+    try:
+        low, high = bounds  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise ContractError(f"{name} is (shortest, longest + 1), not {bounds!r:.40}") from None
+    low = checks.count(low, f"{name}[0]", minimum)
+    if checks.count(high, f"{name}[1]", minimum) <= low:
+        raise ContractError(f"{name} is (shortest, longest + 1): {high} is not above {low}")
+    return low, high
+
+
 def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(0, vocab, n).tolist()
 
@@ -626,7 +656,14 @@ def grpo_workload(
     seed: int = 0,
 ) -> list[SimRequest]:
     """GRPO-like rollouts: every prompt sampled ``samples`` times, all under one system prompt."""
-    rng = np.random.default_rng(seed)
+    num_prompts = checks.count(num_prompts, "num_prompts", 1)
+    samples = checks.count(samples, "samples", 1)
+    system_len = checks.count(system_len, "system_len")
+    # A prompt has a token at least: its system part, or its own.
+    prompt_len = _length_range(prompt_len, "prompt_len", 0 if system_len else 1)
+    output_len = _length_range(output_len, "output_len", 1)  # the last token ends it
+    vocab = checks.count(vocab, "vocab", 1)
+    rng = np.random.default_rng(checks.count(seed, "seed"))
     system = _tokens(rng, system_len, vocab)
     workload = []
     for p in range(num_prompts):
@@ -642,7 +679,10 @@ def random_workload(
     seed: int, *, num_requests: int = 12, block_size: int = 16, vocab: int = 1000
 ) -> list[SimRequest]:
     """Requests in prefix-sharing families with random lengths, arrivals and prompt starts."""
-    rng = np.random.default_rng(seed)
+    num_requests = checks.count(num_requests, "num_requests", 1)
+    block_size = checks.count(block_size, "block_size", 1)
+    vocab = checks.count(vocab, "vocab", 1)
+    rng = np.random.default_rng(checks.count(seed, "seed"))
     roots = [_tokens(rng, int(rng.integers(1, 6 * block_size)), vocab) for _ in range(3)]
     workload = []
     for i in range(num_requests):

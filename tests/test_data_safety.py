@@ -838,6 +838,7 @@ def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path, reli
     ["inspect", "redis://user:se#cret-pw@127.0.0.1:6379/0"],
     ["demo", "--prompts", "-1"],
     ["demo", "--spec-tokens", "-1"],
+    ["demo", "--seed", "-5"],
 ])
 def test_bad_command_lines_get_one_line_and_exit_2(redis_url, namespace, tmp_path, args,
                                                   reliability):
@@ -850,6 +851,7 @@ def test_bad_command_lines_get_one_line_and_exit_2(redis_url, namespace, tmp_pat
     result = _cli(*args, cwd=tmp_path)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "unexpected" not in result.stderr  # refused by a check, not caught as it fell
     assert "se#cret" not in result.stderr and "se" + "#" not in result.stderr
     assert "cret-pw" not in result.stderr
     shown = (" ".join(args).replace(redis_url, "URL").replace(namespace, "NS")

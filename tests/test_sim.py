@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from r3cache import RoutingLayout
 from r3cache.connector.worker import WorkerConnector
+from r3cache.errors import ContractError
 from r3cache.hashing import block_hashes
 from r3cache.sim import (
     Engine,
@@ -140,6 +141,29 @@ def test_the_verifier_catches_a_single_wrong_expert_id():
 def test_a_request_larger_than_the_kv_pool_is_refused():
     with pytest.raises(SimError, match="more KV blocks"):
         simulate([SimRequest("big", list(range(100)), [1])], SMALL, SimConfig(num_kv_blocks=3))
+
+
+@pytest.mark.parametrize("knob", [
+    {"num_spec_tokens": -1}, {"reject_prob": 1.5}, {"reject_prob": float("nan")},
+    {"async_depth": 0}, {"seed": -1}, {"max_steps": 0}, {"forward_seconds": -1},
+    {"clear_local_tier_every": -1}, {"max_num_seqs": 1.5}, {"num_kv_blocks": True},
+])
+def test_engine_knobs_are_checked_when_the_config_is_made(knob):
+    # Unchecked, these stalled for max_steps steps or failed inside numpy mid-run.
+    with pytest.raises(ContractError, match=next(iter(knob))):
+        SimConfig(**knob)
+
+
+@pytest.mark.parametrize("make, args", [
+    (random_workload, {"seed": -1}), (random_workload, {"seed": 1, "num_requests": 0}),
+    (random_workload, {"seed": 1.5}), (grpo_workload, {"num_prompts": 0}),
+    (grpo_workload, {"samples": -1}), (grpo_workload, {"prompt_len": (5, 2)}),
+    (grpo_workload, {"output_len": (0, 4)}), (grpo_workload, {"prompt_len": 7}),
+    (grpo_workload, {"system_len": 0, "prompt_len": (0, 4)}),
+])
+def test_workload_sizes_are_checked(make, args):
+    with pytest.raises(ContractError):
+        make(**args)
 
 
 def test_sim_hashes_are_vllm_block_hashes():
