@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from r3cache.checks import layer_indices, seconds
+from r3cache.checks import count, layer_indices, seconds
 from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
@@ -96,14 +96,23 @@ class R3Reader:
     # -- numpy ----------------------------------------------------------------------
 
     def get(self, request_id: str, *, dtype: Any = None,
-            layers: Sequence[int] | slice | None = None, wait: float = 0.0) -> np.ndarray:
+            layers: Sequence[int] | slice | None = None, wait: float = 0.0,
+            prompt_start: int | None = None) -> np.ndarray:
         """Routes of one request: ``(num_tokens - 1 - prompt_start, layers, topk)``."""
-        return self.get_many([request_id], dtype=dtype, layers=layers, wait=wait)[0]
+        return self.get_many([request_id], dtype=dtype, layers=layers, wait=wait,
+                             prompt_start=prompt_start)[0]
 
     def get_many(self, request_ids: Sequence[str], *, dtype: Any = None,
                  layers: Sequence[int] | slice | None = None,
-                 wait: float = 0.0) -> list[np.ndarray]:
+                 wait: float = 0.0, prompt_start: int | None = None) -> list[np.ndarray]:
         """Routes of many requests: one round for the manifests, then their blocks.
+
+        Rows start where the engine recorded from (a request's ``prompt_start``: 0 unless
+        it asked for later rows only, as vLLM's ``routed_experts_prompt_start`` or SGLang's
+        ``routed_experts_start_len`` do). ``prompt_start=0`` asks for the rows of every
+        position, as replay in training needs them: a request recorded from a later
+        position is then a ContractError naming it, never rows that sit where others
+        should (any ``prompt_start`` works the same way: rows from that position on).
 
         Blocks are fetched and decoded in groups of about ``_GROUP_ROWS`` rows, one round
         per node each; while the next group travels, a helper thread validates the
@@ -116,9 +125,11 @@ class R3Reader:
         request_ids = check_request_ids(request_ids)
         dtype, layers = self._selection(dtype, layers)
         wait = seconds(wait, "wait")
+        if prompt_start is not None:
+            prompt_start = count(prompt_start, "prompt_start")
         began = time.perf_counter()
         try:
-            routes = self._read(request_ids, dtype, layers, wait)
+            routes = self._read(request_ids, dtype, layers, wait, prompt_start)
         except R3Error:
             self.stats.failures += 1
             raise
@@ -127,11 +138,13 @@ class R3Reader:
         return routes
 
     def _read(self, request_ids: list[str], dtype: np.dtype | None, layers: Any,
-              wait: float) -> list[np.ndarray]:
+              wait: float, prompt_start: int | None) -> list[np.ndarray]:
         manifests = self._manifests(request_ids, wait)
         missing = [r for r, m in zip(request_ids, manifests) if m is None]
         if missing:
             raise ManifestNotFoundError(missing, namespace=self.namespace)
+        if prompt_start is not None:
+            _check_prompt_start(manifests, prompt_start)
         jobs, checks = [], []
         try:
             for group in _groups(manifests, _GROUP_ROWS):
@@ -139,7 +152,9 @@ class R3Reader:
                 self._fetch(group, plans)
                 for manifest, plan in zip(group, plans):
                     plan.finish()
-                    jobs.append((manifest, plan.rows, dtype, layers))
+                    skip = 0 if prompt_start is None else (
+                        prompt_start - manifest.completion.prompt_start)
+                    jobs.append((manifest, plan.rows, dtype, layers, skip))
                     checks.append(self._checker().submit(self._checked, *jobs[-1]))
             # A check the helper has not started runs here: with every block read, this
             # thread would otherwise wait while the helper works through the last group.
@@ -197,9 +212,10 @@ class R3Reader:
             raise CorruptBlockError(exc.key, f"{exc.reason} (in the routes of request(s) "
                                     f"{', '.join(map(repr, owners))})") from exc
 
-    def _checked(self, manifest: Manifest, rows: np.ndarray, dtype: Any, layers) -> np.ndarray:
+    def _checked(self, manifest: Manifest, rows: np.ndarray, dtype: Any, layers, skip: int
+                 ) -> np.ndarray:
         self._validate(manifest.request_id, rows, manifest.completion.num_rows)
-        return _select(rows, dtype, layers)
+        return _select(rows[skip:], dtype, layers)
 
     def _checker(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -254,13 +270,16 @@ class R3Reader:
     # -- torch ----------------------------------------------------------------------
 
     def get_torch(self, request_id: str, *, dtype: Any = None,
-                  layers: Sequence[int] | slice | None = None, device: Any = None):
+                  layers: Sequence[int] | slice | None = None, device: Any = None,
+                  prompt_start: int | None = None):
         """Routes as a torch tensor: int64 by default (Megatron-style gather indices);
         pass ``dtype=torch.int32`` for slime/verl-style replay buffers."""
-        return self.get_many_torch([request_id], dtype=dtype, layers=layers, device=device)[0]
+        return self.get_many_torch([request_id], dtype=dtype, layers=layers, device=device,
+                                   prompt_start=prompt_start)[0]
 
     def get_many_torch(self, request_ids: Sequence[str], *, dtype: Any = None,
-                       layers: Sequence[int] | slice | None = None, device: Any = None):
+                       layers: Sequence[int] | slice | None = None, device: Any = None,
+                       prompt_start: int | None = None):
         import torch
 
         dtype = torch.int64 if dtype is None else dtype
@@ -275,7 +294,8 @@ class R3Reader:
             raise ContractError(f"device {device}: this process has no CUDA device")
         numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
         return [torch.from_numpy(rows).to(device=device)
-                for rows in self.get_many(request_ids, dtype=numpy_dtype, layers=layers)]
+                for rows in self.get_many(request_ids, dtype=numpy_dtype, layers=layers,
+                                          prompt_start=prompt_start)]
 
     # -- lifecycle and lookups --------------------------------------------------------
 
@@ -315,6 +335,21 @@ class R3Reader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_prompt_start(manifests: list[Manifest], prompt_start: int) -> None:
+    """Every request has rows from ``prompt_start`` on: it was recorded from there or from
+    before, and has a token there."""
+    for manifest in manifests:
+        recorded, num_tokens = manifest.completion
+        if recorded > prompt_start:
+            raise ContractError(
+                f"request {manifest.request_id!r} was recorded from position {recorded} (the "
+                f"engine was asked for its later rows only); rows from {prompt_start} were "
+                "asked for")
+        if prompt_start > max(num_tokens - 1, recorded):
+            raise ContractError(f"request {manifest.request_id!r} has {num_tokens} tokens: no "
+                                f"rows from position {prompt_start}")
 
 
 def _select(rows: np.ndarray, dtype: Any, layers: Iterable[int] | slice | None) -> np.ndarray:

@@ -42,7 +42,8 @@ def read_rates(reader: R3Reader, ids: list[str], routers, batch: int) -> tuple[f
     plain, converted = [], []
     for _ in range(5):
         began = time.perf_counter()
-        rows = sum(len(r) for names in batches for r in reader.get_many(names))
+        rows = sum(len(r) for names in batches
+                   for r in reader.get_many(names, prompt_start=0))
         plain.append(rows / (time.perf_counter() - began))
         began = time.perf_counter()
         for _routes, _targets in iter_replay_targets(reader, batches, routers):
@@ -72,7 +73,7 @@ def main() -> int:
     with R3Reader(args.url, namespace=args.namespace) as reader:
         for at in range(0, len(ids), args.batch):
             names = ids[at : at + args.batch]
-            routes = reader.get_many(names)
+            routes = reader.get_many(names, prompt_start=0)
             s, b = max(map(len, routes)) + 1, len(routes)
             with router_replay(stack, routes, ReplayBatch(seq_len=s, names=names)):
                 maps = stack(torch.randn(s, b, 64))

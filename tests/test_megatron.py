@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from r3cache import R3Reader, RoutingLayout
-from r3cache.errors import ReplayError
+from r3cache.errors import ContractError, ReplayError
 from r3cache.integrations.megatron import (
     ReplayBatch,
     iter_replay_targets,
@@ -199,6 +199,21 @@ def test_batches_read_ahead_convert_to_the_same_targets(groups, redis_url, names
                                   tp_size=2, cp_rank=1, cp_size=2)
         assert len(targets[0]) == 16 // 2 // 2 * len(names)
         assert all(np.array_equal(a, b) for a, b in zip(targets, expected))
+
+
+def test_batches_read_for_replay_refuse_a_rollout_recorded_from_a_later_position(
+        groups, redis_url, namespace):
+    # Recorded from position 5 (vLLM's routed_experts_prompt_start): replayed from
+    # position 0, its rows would route other tokens.
+    workload = [SimRequest("whole", list(range(100, 110)), list(range(6))),
+                SimRequest("late", list(range(200, 210)), list(range(6)), prompt_start=5)]
+    assert simulate(workload, LAYOUT, SimConfig(keep_manifests=True), store_url=redis_url,
+                    namespace=namespace).failures == []
+    stack = Stack(groups)
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        assert len(next(iter_replay_targets(reader, [["whole"]], stack.routers))[0][0]) == 15
+        with pytest.raises(ContractError, match="'late' was recorded from position 5"):
+            next(iter_replay_targets(reader, [["whole", "late"]], stack.routers))
 
 
 @pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])

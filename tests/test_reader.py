@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from r3cache import R3Reader, RoutingLayout, open_store
-from r3cache.errors import BlockNotFoundError, CorruptBlockError, ManifestNotFoundError
+from r3cache.errors import (
+    BlockNotFoundError,
+    ContractError,
+    CorruptBlockError,
+    ManifestNotFoundError,
+)
 from r3cache.hashing import block_hashes
 from r3cache.sim import SimConfig, SimRequest, oracle_rows, simulate
 
@@ -46,6 +51,27 @@ def test_get_returns_exactly_the_request_rows(reader):
     b = reader.get("b")
     assert b.shape == (14 + 2 - 1 - 6, 4, 2)
     np.testing.assert_array_equal(b, expected(PROMPT + [3, 4], 6))
+
+
+def test_prompt_start_asks_for_rows_from_a_position_and_refuses_rows_not_recorded(reader):
+    # "b" was recorded from position 6 (vLLM's routed_experts_prompt_start, SGLang's
+    # routed_experts_start_len): replay needs rows from 0, which it does not have.
+    full = expected(PROMPT + [7, 8, 9, 10, 11], 0)
+    np.testing.assert_array_equal(reader.get("a", prompt_start=0), full)
+    np.testing.assert_array_equal(reader.get("a", prompt_start=5, dtype=np.int64), full[5:])
+    assert reader.get("a", prompt_start=18).shape == (0, 4, 2)  # 19 tokens: 18 rows
+    np.testing.assert_array_equal(reader.get("b", prompt_start=6), reader.get("b"))
+    np.testing.assert_array_equal(reader.get("b", prompt_start=9), expected(PROMPT + [3, 4], 9))
+    with pytest.raises(ContractError, match="'b' was recorded from position 6"):
+        reader.get_many(["a", "b"], prompt_start=0)
+    with pytest.raises(ContractError, match="'a' has 19 tokens"):
+        reader.get("a", prompt_start=19)
+    for bad in (-1, 1.0, "0", True):
+        with pytest.raises(ContractError, match="prompt_start"):
+            reader.get("a", prompt_start=bad)
+    torch = pytest.importorskip("torch")
+    assert torch.equal(reader.get_torch("a", prompt_start=3),
+                       torch.from_numpy(full[3:].astype(np.int64)))
 
 
 def test_dtype_and_layer_selection(reader):

@@ -80,6 +80,21 @@ def test_a_verl_agent_loop_gets_one_rollouts_routes_by_request_id(recorded):
     assert not out[-1].any()
 
 
+def test_a_verl_agent_loop_refuses_routes_that_would_sit_at_other_tokens(recorded):
+    lengths, _, (url, namespace) = recorded
+    # Recorded from position 3 (vLLM's routed_experts_prompt_start): the rows of tokens
+    # 3.. would land at tokens 0.. of verl's batch.
+    late = SimRequest("late", list(range(40, 52)), list(range(6)), prompt_start=3)
+    assert simulate([late], LAYOUT, SimConfig(keep_manifests=True), store_url=url,
+                    namespace=namespace + "-late").failures == []
+    with (R3Reader(url, namespace=namespace + "-late") as reader,
+          pytest.raises(ContractError, match="'late' was recorded from position 3")):
+        verl_agent_loop_routes(reader, "late", 18)
+    with (R3Reader(url, namespace=namespace) as reader,
+          pytest.raises(ContractError, match=f"'r2' has routes of {lengths[2]} tokens")):
+        verl_agent_loop_routes(reader, "r2", lengths[2] + 4)
+
+
 ROWS = np.ones((5, 4, 2), np.uint8)
 BAD_INPUT = {
     # Rows no trainer could replay: truncated, wrapped or out of its dtype's range.

@@ -2,9 +2,10 @@
 
 Megatron-Core's ``TopKRouter`` (``moe_enable_routing_replay=True``) owns a ``RouterReplay``
 that, under ``REPLAY_FORWARD``, uses target indices ``[local_tokens, topk]`` instead of its
-own top-k. This module builds those targets from routes read with ``R3Reader`` — one
-array ``(num_tokens - 1, layers, topk)`` per sequence, the rows of positions ``0 ..
-num_tokens - 2`` — in the token order the router sees:
+own top-k. This module builds those targets from routes read with
+``R3Reader.get_many(ids, prompt_start=0)`` — one array ``(num_tokens - 1, layers, topk)``
+per sequence, the rows of positions ``0 .. num_tokens - 2`` — in the token order the
+router sees:
 
 - sequence-major: hidden states are ``[s, b, h]``, so token ``(position p, sample i)`` is
   row ``p * b + i`` of a padded batch; a packed (THD) batch is the sequences one after the
@@ -133,11 +134,13 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
         raise ReplayError(f"batch {empty[0]} holds no request ids")
 
     with ThreadPoolExecutor(1, thread_name_prefix="r3cache-megatron") as pool:
-        ahead = pool.submit(reader.get_many, batches[0]) if batches else None
+        # Rows from position 0: a request recorded from later would replay its rows at
+        # other tokens' positions, and is refused by the reader.
+        ahead = pool.submit(reader.get_many, batches[0], prompt_start=0) if batches else None
         for at, names in enumerate(batches):
             routes = ahead.result()
             if at + 1 < len(batches):
-                ahead = pool.submit(reader.get_many, batches[at + 1])
+                ahead = pool.submit(reader.get_many, batches[at + 1], prompt_start=0)
             unit = tp_size * (2 * cp_size if cp_size > 1 else 1)
             seq_len = -(-(max(map(len, routes)) + 1) // unit) * unit
             batch = ReplayBatch(seq_len=seq_len, names=names)

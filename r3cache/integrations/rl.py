@@ -1,8 +1,8 @@
 """Routes from ``R3Reader`` in the batch conventions of verl, NeMo-RL and slime.
 
-Each converter takes the arrays ``R3Reader.get_many`` returns — one ``(num_tokens - 1,
-layers, topk)`` array per sequence, rows for positions ``0 .. num_tokens - 2`` (read with
-``prompt_start=0``) — and is a pure function of them. ``layers`` keeps a subset of the
+Each converter takes the arrays ``R3Reader.get_many(ids, prompt_start=0)`` returns — one
+``(num_tokens - 1, layers, topk)`` array per sequence, rows for positions ``0 .. num_tokens
+- 2`` — and is a pure function of them. ``layers`` keeps a subset of the
 layer axis (vLLM and SGLang record every decoder layer; a trainer may want MoE layers only).
 Errors are ContractError naming the sequence.
 """
@@ -78,8 +78,15 @@ def verl_agent_loop_routes(reader, request_id: str, num_tokens: int, *,
     """What a verl agent loop sets as ``AgentLoopOutput.routed_experts`` for one rollout:
     the routes of ``request_id`` (its prompt + response, ``num_tokens`` tokens) read from
     r3cache, int16 ``[num_tokens, layers, topk]``, the last row 0. ``wait`` covers the
-    moment between the engine's response and its manifest."""
-    return to_verl([reader.get(request_id, wait=wait)], num_tokens, layers=layers)[0]
+    moment between the engine's response and its manifest. A rollout recorded without its
+    first rows, or of another length, is a ContractError: its rows would sit at other
+    tokens' positions."""
+    num_tokens = count(num_tokens, "num_tokens", 1)
+    rows = reader.get(request_id, wait=wait, prompt_start=0)
+    if len(rows) != num_tokens - 1:
+        raise ContractError(f"request {request_id!r} has routes of {len(rows) + 1} tokens, "
+                            f"the rollout {num_tokens}")
+    return to_verl([rows], num_tokens, layers=layers)[0]
 
 
 def nemo_rl_dtype(num_experts: int) -> np.dtype:
