@@ -322,17 +322,20 @@ def test_a_tier_too_small_for_one_block_is_refused_before_a_helper_starts(redis_
                                                                           namespace):
     """The tier's arena is the helper's: its size is checked before the helper is spawned,
     or the refused connector would leave a helper process running."""
-    def children() -> set[str]:
-        return set(subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
-                                  text=True).stdout.split())
+    def helpers() -> set[str]:
+        # This process's writer helpers only: other children (servers the suite's fixtures
+        # start and restart) may come and go meanwhile.
+        listed = subprocess.run(["pgrep", "-a", "-P", str(os.getpid())],
+                                capture_output=True, text=True).stdout.splitlines()
+        return {line for line in listed if "r3cache.store.writers.helper" in line}
 
-    before = children()
+    before = helpers()
     store = open_store(redis_url, layout=LAYOUT, namespace=namespace)
     with pytest.raises(StoreFullError, match="cannot hold one block"):
         WorkerConnector(layout=LAYOUT, store=store, writer="process",
                         local_tier_bytes=LAYOUT.block_nbytes - 1)
     store.close()
-    assert children() == before
+    assert helpers() <= before
 
 
 def test_the_ring_wraps_and_waits_for_acknowledged_slots():
