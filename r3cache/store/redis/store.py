@@ -158,8 +158,11 @@ class RedisBlockStore:
         self._nodes = nodes
         self._display_url = display_url
         self._idle_ms = int(options.idle_ttl * 1000)
-        # key -> this writer's variant key, for keys under which another writer's rows sit.
+        # key -> this writer's variant key, for keys under which another writer's rows sit:
+        # the variant of the rows it wrote last under the key. Every change, in order, is
+        # also in _variant_log (what a helper process tells the engine).
         self._variants: dict[str, str] = {}
+        self._variant_log: list[tuple[str, str]] = []
         self._counts = Counter()
         # What this owner holds, as it asked: close() drops exactly these holds, and a
         # lease that finds itself reclaimed applies them again. Guarded by _hold_lock.
@@ -281,14 +284,20 @@ class RedisBlockStore:
     def _move_to_variants(self, lost: dict[str, np.ndarray], journal: dict[str, int]) -> None:
         """Write each lost key's rows under its variant, and move this owner's holds there.
 
-        The variant's name is the key and a digest of the rows, so it is the same for
-        every writer with these rows, and a reader of a manifest needs nothing else.
+        The variant's name is the block's key and a digest of the rows, so it is the same
+        for every writer with these rows, and a reader of a manifest needs nothing else. A
+        lost key may be this writer's variant itself: the same prompt computed again with
+        other rows (after a weight update, an engine restart) gets a variant of its own,
+        and the manifests recorded before keep naming theirs.
         """
+        variants = {}
         for key, rows in lost.items():
-            self._variants[key] = f"{key}~{codec.rows_digest(rows)}"
+            block = key.partition("~")[0]
+            variants[key] = self._variants[block] = f"{block}~{codec.rows_digest(rows)}"
+            self._variant_log.append((block, variants[key]))
         moved = [k for k in lost for _ in range(self._holds[k])]
-        self._round({self._variants[k]: rows for k, rows in lost.items()},
-                    [self._variants[k] for k in moved], moved, journal)
+        self._round({variants[k]: rows for k, rows in lost.items()},
+                    [variants[k] for k in moved], moved, journal)
 
     def _round(self, objects, retain_keys, release_keys, journal: dict[str, int] | None
                ) -> dict[str, np.ndarray]:
@@ -330,10 +339,15 @@ class RedisBlockStore:
             written = [i for i in indices if ops[names[i]].rows is not None]
             offset = 1 if any(ops[names[i]].retain for i in indices) else 0
             for i, old in zip(written, replies[offset:]):
+                op = ops[names[i]]
                 if "~" in names[i]:
-                    continue  # a variant: its key is this writer's rows, already counted
-                if self._count(ops[names[i]], old):
-                    lost[names[i]] = ops[names[i]].rows
+                    # A variant: its rows were counted where they were lost. Other rows
+                    # under it are this writer's earlier version of the block.
+                    if old is not None and old != op.data:
+                        self._counts["conflicts"] += 1
+                        lost[names[i]] = op.rows
+                elif self._count(op, old):
+                    lost[names[i]] = op.rows
             if self.options.wait_replicas and replies[-1] < self.options.wait_replicas:
                 # Stored, but not yet on a replica (a shard lost its replica to a
                 # failover): counted; if this primary dies too, reads fail typed.
@@ -490,9 +504,10 @@ class RedisBlockStore:
         return False
 
     @property
-    def variants(self) -> dict[str, str]:
-        """key -> this writer's variant key, in the order they were found."""
-        return self._variants
+    def variant_log(self) -> list[tuple[str, str]]:
+        """(key, this writer's variant key) for every variant it took, in order: the
+        last one of a key is the variant it reads."""
+        return self._variant_log
 
     def add_variants(self, variants: Mapping[str, str]) -> None:
         """Read ``variants[k]`` wherever ``k`` is asked for (what a writer process found)."""

@@ -134,11 +134,12 @@ def _serve(connection: Connection) -> None:
                 except Exception as exc:  # noqa: BLE001 - sticky, reported once
                     failed = True
                     connection.send(("error", type(exc).__name__, str(exc)))
-            variants = store.variants
+            variants = store.variant_log
             if len(variants) > variants_sent:
                 # Before "freed" and any "flushed": a read after a flush reads this
-                # writer's own rows where another's sit under the key.
-                connection.send(("variants", dict(list(variants.items())[variants_sent:])))
+                # writer's own rows where another's sit under the key (the last variant
+                # of a key wins).
+                connection.send(("variants", dict(variants[variants_sent:])))
                 variants_sent = len(variants)
             # Changed counts go before "flushed" too: stats() after a flush is exact.
             counts = store.write_counts()
