@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from r3cache.checks import count, layer_indices, seconds
+from r3cache.connector.metadata import generation_suffix
 from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
@@ -305,13 +306,17 @@ class R3Reader:
 
     def get_by_tokens(self, token_ids: Sequence[int], *, dtype: Any = None,
                       layers: Sequence[int] | slice | None = None, seed: str = DEFAULT_SEED,
-                      extra_keys_per_block: Sequence[tuple | None] | None = None) -> TokenLookup:
+                      extra_keys_per_block: Sequence[tuple | None] | None = None,
+                      generation: int = 0) -> TokenLookup:
         """Routes of the longest prefix of ``token_ids`` whose full blocks are all stored.
 
-        Hashes use the namespace's algorithm and ``seed`` (the engine's PYTHONHASHSEED).
+        Hashes use the namespace's algorithm and ``seed`` (the engine's PYTHONHASHSEED);
+        ``generation`` is the engine's prefix-cache generation that stored them (0 until
+        its first prefix-cache reset; ``connector.metadata.generation_suffix``).
         """
         dtype, layers = self._selection(dtype, layers)
-        keys = [h.hex() for h in block_hashes(
+        suffix = generation_suffix(count(generation, "generation"))
+        keys = [h.hex() + suffix for h in block_hashes(
             token_ids, self.layout.block_size, algo=self.store.hash_algo, seed=seed,
             extra_keys_per_block=extra_keys_per_block)]
         try:

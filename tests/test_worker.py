@@ -8,7 +8,7 @@ import pytest
 
 from r3cache import RequestOutput, RoutingLayout, StepBatch, WorkerConnector
 from r3cache.connector import PackedHashes
-from r3cache.connector.metadata import StepMetadata, block_key, block_keys
+from r3cache.connector.metadata import StepMetadata, block_key, block_keys, keys_by_request
 from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
@@ -313,6 +313,22 @@ def test_packed_hashes_key_blocks_as_the_hashes_one_by_one(harness):
     h.worker.store.flush()
     assert h.refcount(h.keys("r")[0]) == h.refcount(h.keys("r")[1]) == 1
     np.testing.assert_array_equal(h.store.get_concatenated(h.keys("r", 0, 2)), h.rows("r", 0, 8))
+
+
+def test_keys_of_a_later_generation_carry_its_number_and_must_still_fit_a_key(harness):
+    one = bytes(range(32))
+    assert keys_by_request({"r": [one]}) == {"r": [one.hex()]}
+    assert keys_by_request({"r": PackedHashes(one * 2, 32), "s": [7]}, 3) == {
+        "r": [one.hex() + ".g3"] * 2, "s": [format(7, "032x") + ".g3"]}
+    h = harness
+    h.add("r", TOKENS)
+    # A str hash is a key as given: at 256 characters no generation suffix fits.
+    with pytest.raises(InvalidBatchError, match="generation 1"):
+        h.worker.begin_step(StepMetadata(1, {"r": 0}, {"r": ["x" * 256]}))
+    assert h.worker.num_requests == 0  # refused before anything changed
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 1)}, generation=1)
+    h.step([("r", 0, 8)], sampled=[1])
+    assert h.refcount(h.keys("r")[0] + ".g1") == 1 and h.refcount(h.keys("r")[0]) == 0
 
 
 def test_samples_of_one_prompt_bringing_the_same_packed_hashes_each_pin_every_block(harness):

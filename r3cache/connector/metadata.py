@@ -69,22 +69,46 @@ def block_keys(hashes: Sequence[BlockHash] | PackedHashes) -> list[str]:
     return data.hex(" ", size).split(" ") if data else []
 
 
-def keys_by_request(block_hashes: Mapping[str, Sequence[BlockHash] | PackedHashes]
-                    ) -> dict[str, list[str]]:
-    """Each request's new block keys (block_keys). Requests that bring the same packed
-    hashes in one step (the samples of one prompt, scheduled together) share one list,
-    converted once: it is only read."""
+def generation_suffix(generation: int) -> str:
+    """What the keys of a prefix-cache generation's blocks end with: nothing in generation 0,
+    ``.g<n>`` after the engine's n-th prefix-cache reset.
+
+    A reset follows a weight update: the same tokens then hash to the same blocks but
+    route to other experts, so each generation's blocks are keys of their own (as vLLM's
+    connector scopes its keys by generation). Otherwise the rows stored under a key in an
+    earlier generation would be served for the hits of a later one.
+    """
+    return f".g{generation}" if generation else ""
+
+
+def keys_by_request(block_hashes: Mapping[str, Sequence[BlockHash] | PackedHashes],
+                    generation: int = 0) -> dict[str, list[str]]:
+    """Each request's new block keys (block_keys) in ``generation``. Requests that bring
+    the same packed hashes in one step (the samples of one prompt, scheduled together)
+    share one list, converted once: it is only read."""
     out: dict[str, list[str]] = {}
     seen: dict[PackedHashes, list[str]] = {}
+    suffix = generation_suffix(generation)
     for req_id, hashes in block_hashes.items():
         if hashes.__class__ is PackedHashes and hashes.data.__class__ is bytes:
             keys = seen.get(hashes)
             if keys is None:
-                keys = seen[hashes] = block_keys(hashes)
+                keys = seen[hashes] = _in_generation(block_keys(hashes), suffix)
         else:
-            keys = block_keys(hashes)
+            keys = _in_generation(block_keys(hashes), suffix)
         out[req_id] = keys
     return out
+
+
+def _in_generation(keys: list[str], suffix: str) -> list[str]:
+    if not suffix or not keys:
+        return keys
+    keys = [key + suffix for key in keys]
+    if max(map(len, keys)) > MAX_KEY_LENGTH:
+        raise InvalidBatchError(f"block hash {max(keys, key=len)[: -len(suffix)]!r:.80} is "
+                                f"too long to key a block of prefix-cache generation "
+                                f"{suffix[2:]}: a key is at most {MAX_KEY_LENGTH} characters")
+    return keys
 
 
 @dataclass(frozen=True)

@@ -336,7 +336,7 @@ class WorkerConnector:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
             raise MetadataError(f"request {unknown[0]!r} is not registered with the worker "
                                 f"connector{more}")
-        new_keys = keys_by_request(metadata.block_hashes)
+        new_keys = keys_by_request(metadata.block_hashes, metadata.generation)
         with self._lock:
             if metadata.completions:  # under the lock: it reads the steps in flight
                 self._check_completions(metadata.completions, new_keys)
