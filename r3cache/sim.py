@@ -59,8 +59,10 @@ def _powers(base: int, n: int) -> np.ndarray:
     return np.cumprod(factors, dtype=np.uint64)
 
 
-def oracle_rows(token_ids, layout: RoutingLayout) -> np.ndarray:
-    """Routed experts for every position: row ``p`` depends on exactly ``tokens[:p + 1]``.
+def oracle_rows(token_ids, layout: RoutingLayout, weights: int = 0) -> np.ndarray:
+    """Routed experts for every position: row ``p`` depends on exactly ``tokens[:p + 1]``
+    and on ``weights``, the version of the model's weights (each RL weight update routes
+    the same tokens anew).
 
     A polynomial prefix hash (vectorised with the modular inverse of its base)
     is mixed per layer into a rotation of a fixed expert permutation, so the
@@ -72,6 +74,8 @@ def oracle_rows(token_ids, layout: RoutingLayout) -> np.ndarray:
         return layout.empty_rows()
     inverse = pow(_BASE, -1, 1 << 64)
     prefix = np.cumsum(tokens * _powers(inverse, n), dtype=np.uint64) * _powers(_BASE, n)
+    if weights:
+        prefix ^= _mix(np.array([weights], np.uint64))  # an array: wraps without a warning
     layer_salt = _mix(np.arange(1, layout.num_layers + 1, dtype=np.uint64))
     h = _mix(prefix[:, None] ^ layer_salt[None, :])
     rotation = (h % np.uint64(layout.num_experts)).astype(np.int64)
@@ -95,11 +99,16 @@ class OracleRoutes:
     def __init__(self, layout: RoutingLayout, rng: np.random.Generator) -> None:
         self.layout = layout
         self.rng = rng
+        self.weights = 0  # the weights' version: each update routes the same tokens anew
         self._rows: dict[str, np.ndarray] = {}
 
     def expected(self, req_id: str, tokens: list[int]) -> np.ndarray:
-        rows = self._rows[req_id] = oracle_rows(tokens, self.layout)
+        rows = self._rows[req_id] = oracle_rows(tokens, self.layout, self.weights)
         return rows
+
+    def new_weights(self) -> None:
+        """A weight update (RL): requests expected from now on route by the new weights."""
+        self.weights += 1
 
     def run(self, chunks: list[Chunk], qsl: np.ndarray, padding: int) -> np.ndarray:
         # Rows nobody is owed (rejected drafts, padding) are noise: routes a router could
@@ -148,6 +157,8 @@ class SimConfig:
     reject_prob: float = 0.3
     async_depth: int = 2
     prefix_caching: bool = True
+    # A weight update, then a prefix-cache reset, whenever no request is running or
+    # has run in part: the same tokens route anew (the oracle's weights change).
     reset_prefix_cache_when_idle: bool = False
     keep_manifests: bool = False  # leave them for a trainer instead of releasing after checks
     clear_local_tier_every: int = 0  # steps; a two-tier store then re-reads from Redis
@@ -308,7 +319,6 @@ class Engine:
         for r in arrivals:
             if -(-r.total // bs) + 1 > self.config.num_kv_blocks:
                 raise SimError(f"request {r.id} needs more KV blocks than the pool holds")
-            self._oracle[r.id] = self.routes.expected(r.id, r.tokens)
         everyone = list(arrivals)
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
@@ -319,7 +329,7 @@ class Engine:
             if step >= self.config.max_steps:
                 raise SimError(f"no progress after {step} steps")
             while arrivals and arrivals[0].spec.arrival_step <= step:
-                self.waiting.append(arrivals.popleft())
+                self._arrive(arrivals.popleft())
             plan = self._schedule(step)
             metadata = self.scheduler.build_step_metadata()
             began = time.perf_counter()
@@ -348,11 +358,19 @@ class Engine:
             if every and step % every == every - 1 and hasattr(self.worker.store, "clear_local"):
                 self.worker.store.clear_local()
             if (self.config.reset_prefix_cache_when_idle and not self.running
-                    and not inflight and self.kv.cached):
+                    and not inflight and self.kv.cached
+                    and not any(r.outputs for r in self.waiting)):
                 self.worker.begin_step(self.scheduler.build_step_metadata())  # finishes first
                 self.kv.reset()
                 self.scheduler.reset_prefix_cache()
                 self.report.resets += 1
+                # A reset follows a weight update (RL): the oracle routes anew, the
+                # requests that have not run yet included. A model's weights stay.
+                new_weights = getattr(self.routes, "new_weights", None)
+                if new_weights is not None:
+                    new_weights()
+                    for req in self.waiting:
+                        self._arrive(req, queue=False)
             step += 1
         # The last finishes reach the worker with one more (empty) scheduler step.
         self.worker.begin_step(self.scheduler.build_step_metadata())
@@ -433,6 +451,13 @@ class Engine:
             if victim is req:
                 return False
         return True
+
+    def _arrive(self, req: _Req, queue: bool = True) -> None:
+        """The rows ``req`` is owed are those of the weights it runs with: fixed when it
+        arrives (again at a weight update, which waits for every request that has run)."""
+        self._oracle[req.id] = self.routes.expected(req.id, req.tokens)
+        if queue:
+            self.waiting.append(req)
 
     def _preempt(self, req: _Req, step: int) -> None:
         self.running.remove(req)
