@@ -30,6 +30,20 @@ def _connector(llm):
         return None
 
 
+def _update_weights(llm) -> None:
+    """A weight update in place that moves the routes (an in-process engine's model): the
+    token embeddings, which every router's input depends on, scaled and shifted."""
+    import torch
+
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    model = executor.driver_worker.worker.model_runner.model
+    embeddings = [m for name, m in model.named_modules() if name.endswith("embed_tokens")]
+    assert embeddings, "the model has no token embeddings to update"
+    with torch.no_grad():
+        for embedding in embeddings:
+            embedding.weight.copy_(embedding.weight.roll(1, 1) * 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -44,6 +58,10 @@ def main() -> None:
                         help="shut the Redis at PORT down after the first round")
     parser.add_argument("--request-ids", default=None, metavar="IDS.json",
                         help="the id each prompt is sent under")
+    parser.add_argument("--new-weights", action="store_true",
+                        help="between rounds, update the weights in place (the routes "
+                        "change) and reset the prefix cache, as an RL loop does after a "
+                        "training step")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -69,6 +87,9 @@ def main() -> None:
                     arrays[f"tokens:{key}"] = np.array(output.outputs[0].token_ids)
                     arrays[f"routes:{key}"] = np.asarray(output.outputs[0].routed_experts)
     for round_ in range(args.rounds if not args.request_ids else 0):
+        if round_ and args.new_weights:
+            _update_weights(llm)
+            assert llm.reset_prefix_cache()
         if round_ == 1 and args.shutdown_redis:
             import redis
 

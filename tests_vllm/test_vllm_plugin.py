@@ -59,6 +59,30 @@ def test_routes_in_the_store_equal_vllms_inline_routes(request, backend, model, 
     assert run.report["blocks_read"] > 0
 
 
+@pytest.mark.parametrize("backend", ["redis", "memory"])
+def test_after_a_weight_update_and_a_prefix_cache_reset_the_same_prompts_get_new_routes(
+        request, backend, model, namespace, tmp_path):
+    # An RL loop: rollouts, a weight update in place, reset_prefix_cache(), rollouts of the
+    # same prompts. The shared system prompt hashes to the same blocks as before, but the
+    # new weights route it anew: each request must get (and have stored) the new routes.
+    prompts = grpo_prompts()
+    own = run_vllm(model, tmp_path, prompts, env={}, max_tokens=MAX_TOKENS, rounds=2,
+                   name="own", extra=("--new-weights",))
+    url = "memory://" if backend == "memory" else request.getfixturevalue("redis_url")
+    run = run_vllm(model, tmp_path, prompts, max_tokens=MAX_TOKENS, rounds=2,
+                   extra=("--new-weights",),
+                   env={"R3CACHE_URL": url, "R3CACHE_NAMESPACE": namespace})
+    assert run.ids == own.ids and len(run.ids) == 2 * len(prompts)
+    before, after = run.ids[: len(prompts)], run.ids[len(prompts):]
+    # The update moved the routes of the same prompts (or this test could not fail).
+    assert all(own.routes(a)[:70].tobytes() != own.routes(b)[:70].tobytes()
+               for a, b in zip(before, after))
+    for request_id in run.ids:  # vLLM's own connector keys its blocks by generation
+        assert run.routes(request_id).tobytes() == own.routes(request_id).tobytes()
+    if backend == "redis":
+        _assert_routes(url, namespace, run)
+
+
 def test_on_the_embedded_store_routes_are_inline_and_nothing_is_held_for_a_trainer(
         model, baseline, tmp_path):
     """memory:// lives inside the engine: sized as vLLM sizes its own store (a block of
