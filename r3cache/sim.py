@@ -329,7 +329,7 @@ class Engine:
             if step >= self.config.max_steps:
                 raise SimError(f"no progress after {step} steps")
             while arrivals and arrivals[0].spec.arrival_step <= step:
-                self._arrive(arrivals.popleft())
+                self.waiting.append(self._expect(arrivals.popleft()))
             plan = self._schedule(step)
             metadata = self.scheduler.build_step_metadata()
             began = time.perf_counter()
@@ -370,7 +370,7 @@ class Engine:
                 if new_weights is not None:
                     new_weights()
                     for req in self.waiting:
-                        self._arrive(req, queue=False)
+                        self._expect(req)
             step += 1
         # The last finishes reach the worker with one more (empty) scheduler step.
         self.worker.begin_step(self.scheduler.build_step_metadata())
@@ -452,12 +452,11 @@ class Engine:
                 return False
         return True
 
-    def _arrive(self, req: _Req, queue: bool = True) -> None:
-        """The rows ``req`` is owed are those of the weights it runs with: fixed when it
-        arrives (again at a weight update, which waits for every request that has run)."""
+    def _expect(self, req: _Req) -> _Req:
+        """Fix the rows ``req`` is owed: those of the weights it runs with, known when it
+        arrives (and again at a weight update, which waits for every request that ran)."""
         self._oracle[req.id] = self.routes.expected(req.id, req.tokens)
-        if queue:
-            self.waiting.append(req)
+        return req
 
     def _preempt(self, req: _Req, step: int) -> None:
         self.running.remove(req)

@@ -93,15 +93,20 @@ def keys_by_request(block_hashes: Mapping[str, Sequence[BlockHash] | PackedHashe
         if hashes.__class__ is PackedHashes and hashes.data.__class__ is bytes:
             keys = seen.get(hashes)
             if keys is None:
-                keys = seen[hashes] = _in_generation(block_keys(hashes), suffix)
+                keys = block_keys(hashes)
+                if suffix:
+                    keys = _in_generation(keys, suffix)
+                seen[hashes] = keys
         else:
-            keys = _in_generation(block_keys(hashes), suffix)
+            keys = block_keys(hashes)
+            if suffix:
+                keys = _in_generation(keys, suffix)
         out[req_id] = keys
     return out
 
 
 def _in_generation(keys: list[str], suffix: str) -> list[str]:
-    if not suffix or not keys:
+    if not keys:
         return keys
     keys = [key + suffix for key in keys]
     if max(map(len, keys)) > MAX_KEY_LENGTH:
