@@ -21,22 +21,26 @@ from pathlib import Path
 import numpy as np
 
 
+def _model_runner(llm):
+    """The model runner of an in-process engine."""
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    return executor.driver_worker.worker.model_runner
+
+
 def _connector(llm):
     """The model runner's aux-output connector of an in-process engine, if reachable."""
     try:
-        executor = llm.llm_engine.engine_core.engine_core.model_executor
-        return executor.driver_worker.worker.model_runner.aux_output_connector
+        return _model_runner(llm).aux_output_connector
     except AttributeError:
         return None
 
 
 def _update_weights(llm) -> None:
-    """A weight update in place that moves the routes (an in-process engine's model): the
-    token embeddings, which every router's input depends on, scaled and shifted."""
+    """A weight update in place that moves the routes: every token's embedding, which
+    every router's input depends on, rolled along the hidden axis and doubled."""
     import torch
 
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
-    model = executor.driver_worker.worker.model_runner.model
+    model = _model_runner(llm).model
     embeddings = [m for name, m in model.named_modules() if name.endswith("embed_tokens")]
     assert embeddings, "the model has no token embeddings to update"
     with torch.no_grad():
