@@ -59,15 +59,21 @@ def test_routes_in_the_store_equal_vllms_inline_routes(request, backend, model, 
     assert run.report["blocks_read"] > 0
 
 
+@pytest.fixture(scope="module")
+def updated(model, tmp_path_factory):
+    """vLLM's own connector through an RL loop's two rounds (--new-weights between them):
+    the inline routes to match."""
+    return run_vllm(model, tmp_path_factory.mktemp("updated"), grpo_prompts(), env={},
+                    max_tokens=MAX_TOKENS, rounds=2, name="own", extra=("--new-weights",))
+
+
 @pytest.mark.parametrize("backend", ["redis", "memory"])
 def test_after_a_weight_update_and_a_prefix_cache_reset_the_same_prompts_get_new_routes(
-        request, backend, model, namespace, tmp_path):
+        request, backend, model, updated, namespace, tmp_path):
     # An RL loop: rollouts, a weight update in place, reset_prefix_cache(), rollouts of the
     # same prompts. The shared system prompt hashes to the same blocks as before, but the
     # new weights route it anew: each request must get (and have stored) the new routes.
-    prompts = grpo_prompts()
-    own = run_vllm(model, tmp_path, prompts, env={}, max_tokens=MAX_TOKENS, rounds=2,
-                   name="own", extra=("--new-weights",))
+    prompts, own = grpo_prompts(), updated
     url = "memory://" if backend == "memory" else request.getfixturevalue("redis_url")
     run = run_vllm(model, tmp_path, prompts, max_tokens=MAX_TOKENS, rounds=2,
                    extra=("--new-weights",),
