@@ -48,6 +48,19 @@ def _update_weights(llm) -> None:
             embedding.weight.copy_(embedding.weight.roll(1, 1) * 2)
 
 
+def _count_preemptions(llm) -> list[str]:
+    """The ids of the requests vLLM's scheduler preempts from now on, one per preemption."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    preempt, preempted = scheduler._preempt_request, []
+
+    def counted(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = counted
+    return preempted
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -66,13 +79,18 @@ def main() -> None:
                         help="between rounds, update the weights in place (the routes "
                         "change) and reset the prefix cache, as an RL loop does after a "
                         "training step")
+    parser.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                        help="a KV cache of N blocks, few enough that requests are "
+                        "preempted and recomputed")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype="bfloat16", block_size=32, max_model_len=1024,
               enable_prefix_caching=True, enable_return_routed_experts=True, max_num_seqs=8,
-              max_num_batched_tokens=512, enforce_eager=not args.cuda_graphs, seed=0)
+              max_num_batched_tokens=512, enforce_eager=not args.cuda_graphs, seed=0,
+              num_gpu_blocks_override=args.kv_blocks)
+    preemptions = _count_preemptions(llm)
     prompts = json.loads(Path(args.prompts).read_text())
     # Greedy, except that samples of one request (n > 1) are drawn, seeded.
     params = SamplingParams(max_tokens=args.max_tokens, n=args.n, ignore_eos=True,
@@ -123,6 +141,7 @@ def main() -> None:
         report["steps_in_flight"] = worker.max_concurrent_batches
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         report["kv_cache_blocks"] = scheduler.kv_cache_config.num_blocks
+    report["preemptions"] = len(preemptions)
     Path(args.out).with_suffix(".json").write_text(json.dumps(report))
     del llm
 

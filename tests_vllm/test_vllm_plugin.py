@@ -89,6 +89,36 @@ def test_after_a_weight_update_and_a_prefix_cache_reset_the_same_prompts_get_new
         _assert_routes(url, namespace, run)
 
 
+# A KV cache of 40 blocks of 32 tokens for 8 requests of 82..84 + 200 tokens (9 blocks
+# each): vLLM preempts requests and recomputes them, from their own cached blocks.
+PREEMPTING = ("--kv-blocks", "40")
+
+
+@pytest.fixture(scope="module")
+def preempting(model, tmp_path_factory):
+    """vLLM's own connector with a KV cache that forces preemptions: the routes to match."""
+    return run_vllm(model, tmp_path_factory.mktemp("preempting"), grpo_prompts(), env={},
+                    max_tokens=200, rounds=2, name="own", extra=PREEMPTING)
+
+
+@pytest.mark.parametrize("backend", ["redis", "memory"])
+def test_requests_preempted_and_recomputed_get_vllms_own_routes(request, backend, model,
+                                                               preempting, namespace,
+                                                               tmp_path):
+    url = "memory://" if backend == "memory" else request.getfixturevalue("redis_url")
+    run = run_vllm(model, tmp_path, grpo_prompts(), max_tokens=200, rounds=2,
+                   extra=PREEMPTING, env={"R3CACHE_URL": url, "R3CACHE_NAMESPACE": namespace})
+    # The same schedule as vLLM's own connector's run, preemptions included (or this test
+    # could not fail on them).
+    assert run.report["preemptions"] == preempting.report["preemptions"] >= 4
+    assert run.ids == preempting.ids
+    for request_id in run.ids:
+        routes, own = run.routes(request_id), preempting.routes(request_id)
+        assert routes.shape == own.shape and routes.tobytes() == own.tobytes()
+    if backend == "redis":
+        _assert_routes(url, namespace, run)
+
+
 def test_on_the_embedded_store_routes_are_inline_and_nothing_is_held_for_a_trainer(
         model, baseline, tmp_path):
     """memory:// lives inside the engine: sized as vLLM sizes its own store (a block of
