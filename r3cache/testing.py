@@ -255,10 +255,11 @@ def main(argv: list[str]) -> int:
     # servers stopped and their files removed: by default either would leave them running.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
-    with runner:
+    # Suppressed outside the servers' block: a signal that comes as soon as the URL is
+    # out (before the pause) still stops them and ends the process cleanly.
+    with contextlib.suppress(KeyboardInterrupt), runner:
         print(runner.url, flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.pause()
+        signal.pause()
     return 0
 
 
