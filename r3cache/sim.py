@@ -157,8 +157,9 @@ class SimConfig:
     reject_prob: float = 0.3
     async_depth: int = 2
     prefix_caching: bool = True
-    # A weight update, then a prefix-cache reset, whenever no request is running or
-    # has run in part: the same tokens route anew (the oracle's weights change).
+    # A weight update, then a prefix-cache reset, whenever no request is running: the same
+    # tokens route anew (the oracle's weights change), except what a preempted request
+    # was given before it.
     reset_prefix_cache_when_idle: bool = False
     keep_manifests: bool = False  # leave them for a trainer instead of releasing after checks
     clear_local_tier_every: int = 0  # steps; a two-tier store then re-reads from Redis
@@ -194,8 +195,6 @@ class SimReport:
     blocks_published: int = 0
     blocks_read: int = 0
     manifests_verified: int = 0
-    # Finished while preempted: no manifest (the scheduler cannot record them).
-    unrecorded: list[str] = field(default_factory=list)
     rows_mismatched: int = 0  # model runs only: rows that differ from a fresh full forward
     step_seconds: list[float] = field(default_factory=list)
     store_stats: StoreStats | None = None
@@ -358,19 +357,24 @@ class Engine:
             if every and step % every == every - 1 and hasattr(self.worker.store, "clear_local"):
                 self.worker.store.clear_local()
             if (self.config.reset_prefix_cache_when_idle and not self.running
-                    and not inflight and self.kv.cached
-                    and not any(r.outputs for r in self.waiting)):
+                    and not inflight and self.kv.cached):
                 self.worker.begin_step(self.scheduler.build_step_metadata())  # finishes first
                 self.kv.reset()
                 self.scheduler.reset_prefix_cache()
                 self.report.resets += 1
                 # A reset follows a weight update (RL): the oracle routes anew, the
-                # requests that have not run yet included. A model's weights stay.
+                # requests that wait included, but a preempted one keeps the rows it was
+                # given. A model's weights stay.
                 new_weights = getattr(self.routes, "new_weights", None)
                 if new_weights is not None:
                     new_weights()
                     for req in self.waiting:
+                        given = self._oracle[req.id]
                         self._expect(req)
+                        if req.outputs:
+                            end = req.outputs[-1].token_end
+                            self._oracle[req.id] = np.concatenate(
+                                (given[:end], self._oracle[req.id][end:]))
             step += 1
         # The last finishes reach the worker with one more (empty) scheduler step.
         self.worker.begin_step(self.scheduler.build_step_metadata())
@@ -454,7 +458,7 @@ class Engine:
 
     def _expect(self, req: _Req) -> _Req:
         """Fix the rows ``req`` is owed: those of the weights it runs with, known when it
-        arrives (and again at a weight update, which waits for every request that ran)."""
+        arrives (and again at a weight update, which waits for the running requests)."""
         self._oracle[req.id] = self.routes.expected(req.id, req.tokens)
         return req
 
@@ -538,17 +542,15 @@ class Engine:
 
     def _finish(self, req: _Req) -> None:
         req.finished = True
-        registered = req in self.running
-        if registered:
+        if req in self.running:
             self.running.remove(req)
-        if req in self.waiting:
+        if req in self.waiting:  # preempted after its last step: what it was given is whole
             self.waiting.remove(req)
-            self.report.unrecorded.append(req.id)
         self.kv.release(req.kv_blocks)
         req.kv_blocks = []
         self.routes.forget(req.id)
-        self.scheduler.finish_request(req.id, num_tokens=req.total if registered else None)
-        req.recorded = registered
+        self.scheduler.finish_request(req.id, num_tokens=req.total)
+        req.recorded = True
 
     def _verify(self, everyone: list[_Req]) -> None:
         report = self.report

@@ -32,7 +32,7 @@ def produce(args: argparse.Namespace, layout: RoutingLayout) -> list[str]:
     report = simulate(workload, layout, config, store_url=args.url, namespace=args.namespace)
     if not report.ok:
         sys.exit(f"the engine run failed verification: {report.failures[:5]}")
-    return sorted(set(report.online) - set(report.unrecorded))
+    return sorted(report.online)
 
 
 def read_rates(reader: R3Reader, ids: list[str], routers, batch: int) -> tuple[float, float]:

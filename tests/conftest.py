@@ -46,11 +46,13 @@ class Harness:
     def keys(self, req_id: str, first: int = 0, last: int | None = None) -> list[str]:
         return [h.hex() for h in self.hashes(req_id, first, last)]
 
-    def begin(self, requests=None, block_hashes=None, finished=(), generation=None) -> None:
+    def begin(self, requests=None, block_hashes=None, finished=(), generation=None, *,
+              completions=None, preempted=()) -> None:
         if generation is not None:
             self.generation = generation
         self.worker.begin_step(StepMetadata(self.generation, requests or {},
-                                            block_hashes or {}, tuple(finished)))
+                                            block_hashes or {}, tuple(finished),
+                                            completions or {}, preempted=preempted))
 
     def prepare(self, entries, padding: int = 0, rows: np.ndarray | None = None):
         """entries: (req_id, token_start, num_tokens[, first_row_position]) in batch order."""

@@ -249,6 +249,80 @@ def test_after_a_prefix_cache_reset_hits_read_the_new_generations_rows(
                 "generations exact" if durable else "hit rows new")
 
 
+@pytest.mark.parametrize("backend,writer", [
+    ("redis", "thread"), ("redis", "process"), ("cluster", "process")])
+def test_preempted_requests_manifests_name_the_rows_they_were_given(
+        request, backend, writer, namespace, reliability):
+    # vLLM's pause_generation(mode="keep") around a weight update: running requests are
+    # preempted, the prefix cache is reset, and they resume, recomputed with the new
+    # weights. Each was given the old weights' rows for what it had generated; its
+    # manifest must name those, not the recomputed ones. The same for a request
+    # preempted (KV pressure) whose recomputation yields other rows (kernels that are not
+    # batch-invariant), and for one that ends before it runs again.
+    url = request.getfixturevalue(f"{backend}_url")
+    store = open_store(url, layout=LAYOUT, namespace=namespace, owner=f"pause-{writer}")
+    worker = WorkerConnector(layout=LAYOUT, store=store, max_num_seqs=4, writer=writer)
+    tokens = {r: list(range(100 + 20 * i, 116 + 20 * i)) for i, r in enumerate("afpw")}
+    hashes = {r: block_hashes(t, LAYOUT.block_size) for r, t in tokens.items()}
+    old = {r: oracle_rows(t, LAYOUT) for r, t in tokens.items()}
+    new = {r: ((rows + 3) % LAYOUT.num_experts).astype(LAYOUT.dtype) for r, rows in old.items()}
+    given: dict[str, list[np.ndarray]] = {r: [] for r in tokens}
+
+    def step(generation, runs=(), weights=old, requests=None, finished=(), completions=None,
+             preempted=()):
+        registered = requests or {}
+        worker.begin_step(StepMetadata(
+            generation, registered, {r: hashes[r][: (e + 1) // 4] for r, e in registered.items()},
+            tuple(finished), completions or {}, preempted=tuple(preempted)))
+        if not runs:
+            return
+        qsl = np.concatenate(([0], np.cumsum([n for _, _, n in runs])))
+        rows = np.concatenate([weights[r][a : a + n] for r, a, n in runs])
+        pending = worker.prepare_output(StepBatch([r for r, _, _ in runs],
+                                                  np.array([a for _, a, _ in runs]), qsl),
+                                        routed_experts=rows)
+        pending.enqueue_cpu_copy(np.ones(len(runs), int), np.zeros(len(runs), int))
+        for req_id, out in worker.process_output(pending).items():
+            given[req_id].append(out.rows.copy())
+
+    try:
+        step(0, [("a", 0, 10), ("f", 0, 6), ("w", 0, 9)], requests={"a": 0, "f": 0, "w": 0})
+        step(0, [("a", 10, 1), ("f", 6, 1), ("w", 9, 1)])
+        step(0, finished=["w"], preempted=["w"])  # KV pressure: w waits, given rows 0..10
+        step(0, [("a", 11, 1), ("f", 7, 1)])
+        # f finished in that step; then the pause: a is preempted, the prefix cache reset,
+        # and a resumes at once (in the same step), recomputed with the new weights.
+        step(1, [("a", 0, 13)], new, requests={"a": 12}, finished=["f", "a"],
+             completions={"f": Completion(0, 9)}, preempted=["a"])
+        step(1, [("a", 13, 1), ("p", 0, 9)], new, requests={"p": 0})
+        step(1, finished=["p"], preempted=["p"])
+        # p resumes; its recomputation yields other rows than it was given.
+        other = {"p": ((new["p"] + 5) % LAYOUT.num_experts).astype(LAYOUT.dtype)}
+        step(1, [("p", 0, 10)], other, requests={"p": 9})
+        step(1, finished=["a", "p", "w"], completions={"a": Completion(0, 15),
+                                                      "p": Completion(0, 11),
+                                                      "w": Completion(0, 11)})
+        worker.store.flush()
+        assert worker.num_requests == 0
+        engine_holds = holders(open_store(url, layout=LAYOUT, namespace=namespace))
+        assert f"pause-{writer}" not in engine_holds  # every pin the engine took is gone
+    finally:
+        worker.close()
+    delivered = {r: np.concatenate(parts) for r, parts in given.items()}
+    assert len(delivered["a"]) == 14 and (delivered["a"][:12] == old["a"][:12]).all()
+    assert (delivered["a"][12:] == new["a"][12:14]).all()  # the recomputation's own
+    with R3Reader(url, namespace=namespace) as reader:
+        manifests = dict(zip("afpw", reader.get_many(list("afpw"))))
+        assert reader.release(*"afpw") == 4
+    for req_id in "afpw":
+        np.testing.assert_array_equal(manifests[req_id], delivered[req_id], err_msg=req_id)
+    reliability(f"requests preempted around a weight update and a prefix-cache reset, "
+                f"resumed and recomputed with other rows, or ended while preempted "
+                f"({backend}, {writer} writer)", "the four manifests",
+                "each names exactly the rows its request was given", "4/4 exact; 0 engine "
+                "holds left")
+
+
 @pytest.mark.parametrize("writer", ["plain", "process"])
 def test_a_block_computed_again_with_other_rows_keeps_every_manifest_exact(
         redis_url, cluster_url, namespace, writer, reliability):

@@ -86,6 +86,13 @@ def test_completions_need_a_registered_request_and_a_sane_token_count():
     with pytest.raises(MetadataError, match="end before its prompt_start"):
         s.finish_request("a", num_tokens=4)
     s.preempt_request("a")
-    s.build_step_metadata()
-    with pytest.raises(MetadataError, match="while preempted"):
-        s.finish_request("a", num_tokens=9)
+    assert s.build_step_metadata().preempted == ("a",)
+    # Ended while preempted: the worker records it from the rows it was given.
+    s.finish_request("a", num_tokens=9)
+    md = s.build_step_metadata()
+    assert md.finished_requests == ("a",) and dict(md.completions) == {"a": (4, 9)}
+    assert md.preempted == ()
+    s.add_request("b")
+    s.preempt_request("b")  # before the worker heard of it: it has nothing of it
+    with pytest.raises(MetadataError, match="before it ran"):
+        s.finish_request("b", num_tokens=3)

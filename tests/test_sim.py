@@ -70,8 +70,8 @@ def check_random_workload(store_url, writer, seed, block_size, spec, reject_prob
                       namespace=f"{SESSION}-sim-{writer}-{seed}-{block_size}", **options)
     assert report.failures == []
     assert report.rows_verified == sum(len(r.tokens) - 1 - r.prompt_start for r in workload)
-    # Every request that finished while registered was read back from its manifest.
-    assert report.manifests_verified == len(workload) - len(report.unrecorded)
+    # Every request was read back from its manifest.
+    assert report.manifests_verified == len(workload)
 
 
 # The store URL is a plain string per backend, safe to share between examples.

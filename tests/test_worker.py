@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from r3cache import RequestOutput, RoutingLayout, StepBatch, WorkerConnector
+from r3cache import R3Reader, RequestOutput, RoutingLayout, StepBatch, WorkerConnector
 from r3cache.connector import PackedHashes
 from r3cache.connector.metadata import StepMetadata, block_key, block_keys, keys_by_request
 from r3cache.errors import (
@@ -403,16 +403,77 @@ def test_a_writer_whose_rows_differ_from_the_stored_block_still_gets_its_own_row
     assert h.store.stats().conflicts == 1
 
 
-def test_a_generation_change_releases_everything(harness):
+def test_a_generation_change_releases_everything_but_what_running_requests_were_given(
+        harness):
     h = harness
     h.add("r", TOKENS)
-    h.begin({"r": 0}, {"r": h.hashes("r", 0, 2)})
-    h.step([("r", 0, 8)], sampled=[1])
+    h.add("s", [t + 1 for t in TOKENS[:6]])
+    h.begin({"r": 0, "s": 0}, {"r": h.hashes("r", 0, 2), "s": h.hashes("s", 0, 1)})
+    h.step([("r", 0, 8), ("s", 0, 4)], sampled=[1, 0])  # s is given nothing yet
     h.begin(generation=1)
     assert h.worker.num_requests == 0
-    assert all(h.refcount(k) == 0 for k in h.keys("r", 0, 2))
+    # r resumes in the new generation: the rows it was given (0..8) stay pinned for its
+    # manifest. s was given none: its block is released.
+    assert [h.refcount(k) for k in h.keys("r", 0, 2)] == [1, 1]
+    assert h.refcount(h.keys("s", 0, 1)[0]) == 0
     h.begin({"r": 9}, {"r": h.hashes("r", 0, 2)})  # a new generation starts afresh
     assert_output(h.step([("r", 0, 10)], sampled=[1])["r"], h, "r", 9, 10)
+    h.begin(finished=["r"])
+    assert all(h.refcount(k) == 0 for k in h.keys("r", 0, 2))
+
+
+def test_a_preempted_request_recomputed_with_other_rows_records_the_rows_it_was_given(
+        harness):
+    h = harness
+    h.add("r", TOKENS[:20])
+    given = []
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 2)})
+    given.append(h.step([("r", 0, 10)], sampled=[1])["r"].rows.copy())  # rows 0..9
+    h.begin(finished=["r"], preempted=["r"])
+    keys = h.keys("r", 0, 2)
+    assert [h.refcount(k) for k in keys] == [1, 1]  # held for what r was given
+    # Resumed: its recomputation (a non-batch-invariant kernel, say) yields other rows.
+    other = ((h.rows("r", 0, 20) + 1) % h.layout.num_experts).astype(h.layout.dtype)
+    h.begin({"r": 10}, {"r": h.hashes("r", 2, 4)})
+    given.append(h.step([("r", 0, 16)], sampled=[1], rows=other[:16])["r"].rows.copy())
+    h.begin(finished=["r"], completions={"r": Completion(0, 17)})
+    with R3Reader(h.worker.store) as reader:
+        np.testing.assert_array_equal(reader.get("r"), np.concatenate(given))
+        np.testing.assert_array_equal(reader.get("r")[:10], h.rows("r", 0, 10))
+        reader.release("r")
+    assert all(h.refcount(k) == 0 for k in h.keys("r"))
+
+
+def test_a_request_that_ends_while_preempted_is_recorded_from_what_it_was_given(harness):
+    h = harness
+    h.add("r", TOKENS[:20])
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 1)})
+    h.step([("r", 0, 6)], sampled=[1])
+    h.begin(finished=["r"], preempted=["r"])
+    # It never runs again (aborted while it waited): the scheduler tells of its end.
+    h.begin(finished=["r"], completions={"r": Completion(0, 7)})
+    with R3Reader(h.worker.store) as reader:
+        np.testing.assert_array_equal(reader.get("r"), h.rows("r", 0, 6))
+        reader.release("r")
+    assert h.refcount(h.keys("r", 0, 1)[0]) == 0
+    with pytest.raises(MetadataError, match="not registered"):  # once only
+        h.begin(finished=["r"])
+
+
+@pytest.mark.parametrize("preempted,completions,match", [
+    ("r", {}, "not a str"),
+    (["s"], {}, "must be finished"),
+    (["r"], {"r": Completion(0, 3)}, "cannot finish for good"),
+])
+def test_preempted_requests_are_finished_ones_that_did_not_end(harness, preempted,
+                                                                completions, match):
+    h = harness
+    h.add("r", TOKENS)
+    h.begin({"r": 0, "s": 0})
+    h.step([("r", 0, 4)], sampled=[1])
+    with pytest.raises(MetadataError, match=match):
+        h.begin(finished=["r"], completions=completions, preempted=preempted)
+    assert h.worker.num_requests == 2  # refused before anything changed
 
 
 def test_generation_cannot_change_with_output_in_flight_or_move_back(async_harness):

@@ -1,7 +1,8 @@
 """Run vLLM on the tiny model in this process and save what it returned: a test's engine.
 
     python generate.py MODEL OUT.npz --prompts P.json [--max-tokens N] [--rounds R] [--n N]
-        [--request-ids IDS.json]
+        [--request-ids IDS.json] [--new-weights] [--pause-at STEP ...]
+        [--abort-at-pause ID] [--kv-blocks N]
 
 The environment decides the rest (R3CACHE_URL and friends, vLLM's CPU settings). Each
 round sends every prompt once; OUT.npz holds each completion's token ids and inline
@@ -61,6 +62,39 @@ def _count_preemptions(llm) -> list[str]:
     return preempted
 
 
+def _paused_rollouts(llm, prompts, args, arrays) -> tuple[list[str], list[str]]:
+    """Step the engine through ``prompts`` with a weight update in flight before each step
+    of ``args.pause_at``; returns the request ids in the order they finished, and those
+    that finished in a step right before a pause."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(
+            max_tokens=args.max_tokens + 3 * i, ignore_eos=True, temperature=0, seed=0))
+    ids: list[str] = []
+    just_before: list[str] = []
+    step = 0
+    while engine.has_unfinished_requests():
+        if step in args.pause_at:
+            core.pause_scheduler(mode="keep", clear_cache=True)
+            _update_weights(llm)
+            if args.abort_at_pause and step == min(args.pause_at):
+                engine.abort_request([args.abort_at_pause])
+            core.resume_scheduler()
+        for output in engine.step():
+            if output.finished:
+                ids.append(output.request_id)
+                if step + 1 in args.pause_at:
+                    just_before.append(output.request_id)
+                arrays[f"tokens:{output.request_id}"] = np.array(output.outputs[0].token_ids)
+                arrays[f"routes:{output.request_id}"] = np.asarray(
+                    output.outputs[0].routed_experts)
+        step += 1
+    return ids, just_before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -79,6 +113,14 @@ def main() -> None:
                         help="between rounds, update the weights in place (the routes "
                         "change) and reset the prefix cache, as an RL loop does after a "
                         "training step")
+    parser.add_argument("--pause-at", type=int, action="append", default=[], metavar="STEP",
+                        help="one round, request i asking for max-tokens + 3 i tokens; "
+                        "before engine step STEP, pause with the requests kept "
+                        "(pause_generation(mode='keep'), which resets the prefix cache), "
+                        "update the weights in place and resume: an RL loop's weight "
+                        "update in flight")
+    parser.add_argument("--abort-at-pause", default=None, metavar="ID",
+                        help="abort request ID during the first pause, before it runs again")
     parser.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                         help="a KV cache of N blocks, few enough that requests are "
                         "preempted and recomputed")
@@ -108,7 +150,10 @@ def main() -> None:
                     key = f"#{ids.index(output.request_id)}"
                     arrays[f"tokens:{key}"] = np.array(output.outputs[0].token_ids)
                     arrays[f"routes:{key}"] = np.asarray(output.outputs[0].routed_experts)
-    for round_ in range(args.rounds if not args.request_ids else 0):
+    report = {}
+    if args.pause_at:
+        ids, report["finished_before_pause"] = _paused_rollouts(llm, prompts, args, arrays)
+    for round_ in range(args.rounds if not (args.request_ids or args.pause_at) else 0):
         if round_ and args.new_weights:
             _update_weights(llm)
             assert llm.reset_prefix_cache()
@@ -127,7 +172,7 @@ def main() -> None:
                 if completion.routed_experts is not None:
                     arrays[f"routes:{key}"] = np.asarray(completion.routed_experts)
     np.savez(args.out, **arrays)
-    report = {"ids": ids}
+    report["ids"] = ids
     connector = _connector(llm)
     worker = getattr(connector, "worker", None)
     if worker is not None:

@@ -89,6 +89,54 @@ def test_after_a_weight_update_and_a_prefix_cache_reset_the_same_prompts_get_new
         _assert_routes(url, namespace, run)
 
 
+# Two weight updates in flight: before step 6 every request that runs is mid-generation;
+# before step 24 one has just finished (its terminal event not yet sent to the worker).
+PAUSES = ("--pause-at", "6", "--pause-at", "24")
+
+
+@pytest.fixture(scope="module")
+def paused(model, tmp_path_factory):
+    """vLLM's own connector through two weight updates in flight: the routes to match."""
+    return run_vllm(model, tmp_path_factory.mktemp("paused"), grpo_prompts(), env={},
+                    max_tokens=MAX_TOKENS, name="own", extra=PAUSES)
+
+
+@pytest.mark.parametrize("backend", ["redis", "cluster"])
+def test_requests_kept_through_a_weight_update_in_flight_record_the_routes_they_were_given(
+        request, backend, model, baseline, paused, namespace, tmp_path):
+    # An RL loop's in-flight weight update: pause_generation(mode="keep") preempts the
+    # running requests and resets the prefix cache, the weights change, and the requests
+    # resume, recomputed with the new weights. Each request's inline routes hold the old
+    # weights' rows for what it generated before the pause: its stored routes must too.
+    url = _store(request, backend)
+    run = run_vllm(model, tmp_path, grpo_prompts(), max_tokens=MAX_TOKENS, extra=PAUSES,
+                   env={"R3CACHE_URL": url, "R3CACHE_NAMESPACE": namespace})
+    assert sorted(run.ids) == sorted(paused.ids) == [f"r{i}" for i in range(9)]
+    assert run.report["finished_before_pause"] == paused.report["finished_before_pause"] != []
+    # The updates moved the routes of what ran after them (or this test could not fail).
+    assert run.routes("r1")[90:100].tobytes() != baseline.routes("1")[90:100].tobytes()
+    for request_id in run.ids:
+        routes, own = run.routes(request_id), paused.routes(request_id)
+        assert routes.shape == own.shape and routes.tobytes() == own.tobytes()
+    _assert_routes(url, namespace, run)
+
+
+def test_a_request_aborted_while_kept_through_a_weight_update_is_recorded_as_given(
+        model, paused, redis_url, namespace, tmp_path):
+    # r2 is aborted during the first pause, before it runs again: vLLM's connector sends
+    # the worker no event for it, the plugin does, and its manifest is what it was given.
+    run = run_vllm(model, tmp_path, grpo_prompts(), max_tokens=MAX_TOKENS,
+                   extra=(*PAUSES, "--abort-at-pause", "r2"),
+                   env={"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace})
+    assert "r2" not in run.ids and len(run.ids) == 8
+    _assert_routes(redis_url, namespace, run)
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        aborted = reader.get("r2", wait=15)
+    # 84 prompt rows and those of the tokens it generated before the pause.
+    assert 84 < len(aborted) < len(paused.routes("r2"))
+    assert aborted.tobytes() == paused.routes("r2")[: len(aborted)].tobytes()
+
+
 # A KV cache of 40 blocks of 32 tokens for 8 requests of 82..84 + 200 tokens (9 blocks
 # each): vLLM preempts requests and recomputes them, from their own cached blocks.
 PREEMPTING = ("--kv-blocks", "40")

@@ -126,7 +126,11 @@ class StepMetadata:
     ``PackedHashes``).
     ``finished_requests`` are torn down (finished, aborted or preempted); those also
     in ``completions`` finished for good, and their routes become a manifest, recorded
-    under the request id or its ``record_as`` entry.
+    under the request id or its ``record_as`` entry. Those in ``preempted`` will resume:
+    the rows they were given stay theirs (their manifest names them, not the rows a
+    recomputation yields) until they end, running again or not.
+    In a step that starts a new ``generation``, ``finished_requests`` are the generation
+    before's (a request may also register again in it, in the new generation).
     """
 
     generation: int = 0
@@ -137,6 +141,7 @@ class StepMetadata:
     # The id a completion's manifest is recorded under where it is not the engine's own
     # (vLLM's engine core knows a request by an internal id, its caller by another).
     record_as: Mapping[str, str] = field(default_factory=dict)
+    preempted: Collection[str] = ()
 
     def is_empty(self) -> bool:
         return not (self.requests or self.block_hashes or self.finished_requests)

@@ -20,13 +20,15 @@ class RequestTable:
     - ``scheduled``: end of the last scheduled range, which may run past
       ``capture`` when a speculative suffix was rejected;
     - ``emit``: first position whose rows the request is still owed;
+    - ``emit_from``: its emit start when it registered;
     - ``owned_from``: first position this incarnation captured itself; rows
       before it (a prefix hit) only ever come from the store;
     - ``nkeys``: ``len(keys[slot])``, the full blocks whose hashes arrived.
 
     ``tail[slot]`` holds the rows of the block containing ``capture``; ``finishing`` the
     slots whose teardown was requested and waits for the in-flight steps that cover
-    them (few, so a set: most steps check it is empty and nothing else). ``version``
+    them (few, so a set: most steps check it is empty and nothing else), ``preempted``
+    those among them that will resume (what they were given is kept). ``version``
     changes whenever a name is bound to or taken from a slot, so a batch's slots can be
     reused while it holds.
     """
@@ -43,11 +45,13 @@ class RequestTable:
         self.record_as: dict[int, str | None] = {}  # the id a manifest is recorded under
         self._free: list[int] = []
         self.finishing: set[int] = set()
+        self.preempted: set[int] = set()
         self.version = 0
         self._last: list[tuple[list[str], int, np.ndarray]] = [([], -1, np.empty(0, np.int64))] * 2
         self.capture = np.empty(0, np.int64)
         self.scheduled = np.empty(0, np.int64)
         self.emit = np.empty(0, np.int64)
+        self.emit_from = np.empty(0, np.int64)
         self.owned_from = np.empty(0, np.int64)
         self.nkeys = np.empty(0, np.int64)
         self.tail = np.empty((0, *layout.block_shape), layout.dtype)
@@ -67,6 +71,7 @@ class RequestTable:
         self.capture[slot] = NO_CURSOR
         self.scheduled[slot] = 0
         self.emit[slot] = emit_start
+        self.emit_from[slot] = emit_start
         self.owned_from[slot] = 0
         self.nkeys[slot] = 0
         return slot
@@ -123,6 +128,7 @@ class RequestTable:
             self.completion.pop(slot, None)
             self.record_as.pop(slot, None)
             self.finishing.discard(slot)
+            self.preempted.discard(slot)
             self._free.append(slot)
 
     def live_slots(self) -> list[int]:
@@ -136,7 +142,7 @@ class RequestTable:
         extra = capacity - old
         self.req_id.extend([None] * extra)
         self.keys.extend([] for _ in range(extra))
-        for name in ("capture", "scheduled", "emit", "owned_from", "nkeys"):
+        for name in ("capture", "scheduled", "emit", "emit_from", "owned_from", "nkeys"):
             column = getattr(self, name)
             setattr(self, name, np.concatenate((column, np.zeros(extra, column.dtype))))
         new_tails = np.zeros((extra, *self.layout.block_shape), self.layout.dtype)

@@ -18,6 +18,7 @@ class _SchedulerRequest:
     hashes: list[BlockHash]
     hashes_sent: int = 0
     registered: bool = False  # known to the worker; False while preempted
+    kept: bool = False  # preempted on the worker, which keeps what it was given until it ends
 
 
 class SchedulerConnector:
@@ -30,6 +31,7 @@ class SchedulerConnector:
         # Requests with hashes to send; finished ones stay until their hashes went out.
         self._hash_updates: dict[str, _SchedulerRequest] = {}
         self._finished: list[str] = []
+        self._preempted: list[str] = []
         self._completions: dict[str, Completion] = {}
 
     def add_request(
@@ -64,10 +66,12 @@ class SchedulerConnector:
         state.emit_start = max(state.emit_start, output.token_end)
 
     def preempt_request(self, req_id: str) -> None:
-        """The worker drops the request's state and pins; ``resume_request`` restarts it."""
+        """The worker drops the request's state, keeping what it was given (for its
+        manifest); ``resume_request`` restarts it."""
         state = self._state(req_id)
-        if state.registered:
-            self._unregister(req_id, state)
+        if state.registered and self._unregister(req_id, state):
+            self._preempted.append(req_id)
+            state.kept = True
 
     def resume_request(self, req_id: str) -> None:
         if req_id in self._finished:
@@ -87,16 +91,17 @@ class SchedulerConnector:
             if num_tokens - 1 < state.prompt_start:
                 raise MetadataError(f"request {req_id!r}: {num_tokens} tokens end before its "
                                     f"prompt_start {state.prompt_start}")
-            if not state.registered:
-                raise MetadataError(f"request {req_id!r} finished while preempted; resume "
-                                    "it first so its routes can be recorded")
+            if not (state.registered or state.kept):
+                raise MetadataError(f"request {req_id!r} finished before it ran; nothing of "
+                                    "it can be recorded")
             self._completions[req_id] = Completion(state.prompt_start, num_tokens)
         del self._requests[req_id]
-        if state.registered:
-            self._unregister(req_id, state)
+        if not (state.registered and self._unregister(req_id, state)) and state.kept:
+            self._finished.append(req_id)  # recorded from what it was given, let go
 
     def reset_prefix_cache(self) -> None:
-        """Start a new generation: the worker releases everything; live requests re-register.
+        """Start a new generation: the worker releases everything but what requests were
+        given (their manifests name it); live requests re-register.
 
         Finished requests must reach the worker first (their manifests belong to the
         old generation): build and send the pending step metadata before resetting.
@@ -121,10 +126,11 @@ class SchedulerConnector:
             hashes[rid] = state.hashes[state.hashes_sent :]
             state.hashes_sent = len(state.hashes)
         metadata = StepMetadata(self.generation, requests, hashes, tuple(self._finished),
-                                dict(self._completions))
+                                dict(self._completions), preempted=tuple(self._preempted))
         self._to_register.clear()
         self._hash_updates.clear()
         self._finished.clear()
+        self._preempted.clear()
         self._completions.clear()
         return metadata
 
@@ -136,16 +142,19 @@ class SchedulerConnector:
         if state.hashes:
             self._hash_updates[req_id] = state
 
-    def _unregister(self, req_id: str, state: _SchedulerRequest) -> None:
+    def _unregister(self, req_id: str, state: _SchedulerRequest) -> bool:
+        """Tear the request down on the worker; whether it had reached it."""
         state.registered = False
         if self._to_register.pop(req_id, 0) is None:
-            # Never reached the worker: nothing to tear down or record there.
+            # Never reached the worker: nothing to tear down there.
             self._hash_updates.pop(req_id, None)
-            self._completions.pop(req_id, None)
-            return
+            if not state.kept:  # (a kept one is recorded from what it was given)
+                self._completions.pop(req_id, None)
+            return False
         # Unsent hashes still go out with the teardown: the KV prefix cache keeps
         # those blocks, so the worker must publish their rows before releasing them.
         self._finished.append(req_id)
+        return True
 
     def _state(self, req_id: str) -> _SchedulerRequest:
         try:

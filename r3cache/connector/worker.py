@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from r3cache import checks
+from r3cache.connector.delivered import Delivered, without
 from r3cache.connector.metadata import RequestOutput, StepBatch, StepMetadata, keys_by_request
 from r3cache.connector.requests import NO_CURSOR, RequestTable
 from r3cache.errors import (
@@ -50,6 +51,8 @@ log = logging.getLogger("r3cache.worker")
 # What the connector uses of a capturer (r3cache.capture, or an engine's own behind an
 # adapter).
 _CAPTURER_ATTRIBUTES = ("layout", "max_num_batched_tokens", "snapshot", "host_ring")
+
+_NOTHING = Delivered(0, [], [])  # what a preempted request keeps where no manifest is made
 
 # Above this many rows per request a step's tails are filled request by request (two
 # slices each) rather than through per-row index arrays.
@@ -174,7 +177,9 @@ class WorkerConnector:
     ``unkeyed`` (a full block still waiting for its hash) or ``tail`` (the block
     containing ``capture``). Rows before ``owned_from`` come only from the store. Every
     key a request received is pinned until its teardown, which waits for the last
-    in-flight step that covers the request.
+    in-flight step that covers the request; a preempted request's teardown keeps the rows
+    it was given (``_delivered``, their keys still pinned) until the request ends, and
+    its manifest names those rows.
     """
 
     def __init__(
@@ -257,6 +262,10 @@ class WorkerConnector:
         # The releases and manifests of a store call that was refused (the store changed
         # nothing), carried by the next one with its pins and blocks (kept above).
         self._unsent: tuple[list[str], list[Manifest]] | None = None
+        # What preempted requests were given, by request id, until they end: a manifest
+        # names these rows, which a recomputation may not reproduce (new weights after a
+        # reset, kernels that are not batch-invariant). Their keys stay pinned meanwhile.
+        self._delivered: dict[str, Delivered] = {}
 
     @staticmethod
     def _check_capturer(capturer: Any, layout: RoutingLayout, max_num_batched_tokens: int
@@ -303,16 +312,18 @@ class WorkerConnector:
         finished = set(finishing)
         if len(finished) != len(finishing):  # a slot freed twice would serve two requests
             raise MetadataError("a request is listed as finished twice in one step")
+        # In a reset step the finished requests are the generation before's.
+        reset = metadata.generation > self._generation
         both = metadata.requests.keys() & finished
-        if both:
+        if both and not reset:
             raise MetadataError(f"requests cannot run and finish in one step: {sorted(both)}")
         unfinished = metadata.completions.keys() - finished
         if unfinished:
             raise MetadataError(f"completions for requests that did not finish: "
                                 f"{sorted(unfinished)}")
+        preempted = self._preempted(metadata, finished)
         table = self._table
         # Every request and key is checked before anything changes.
-        reset = metadata.generation > self._generation
         registered = {} if reset else table.slot_of
         if not metadata.requests.keys() <= registered.keys():  # most steps: all known
             for req_id in metadata.requests:
@@ -326,8 +337,9 @@ class WorkerConnector:
         # A step that lists no request (a hash-only update) has nothing to look up.
         slots = None if reset else (self._check_emit_starts(req_ids, emit_starts)
                                     if req_ids else [])
-        unknown = [r for r in (*metadata.block_hashes, *finished)
+        unknown = [r for r in metadata.block_hashes
                    if r not in metadata.requests and r not in registered]
+        unknown += [r for r in finishing if r not in table.slot_of and r not in self._delivered]
         for req_id, name in metadata.record_as.items():
             check_request_id(name)
             if req_id not in metadata.completions:
@@ -340,7 +352,8 @@ class WorkerConnector:
         with self._lock:
             if metadata.completions:  # under the lock: it reads the steps in flight
                 self._check_completions(metadata.completions, new_keys)
-            release: list[str] = []
+            ended: tuple[list[str], list[Manifest]] = ([], [])
+            teardown: list[int] = []
             if reset:
                 # A prefix-cache reset: only legal once all model output is consumed.
                 if self._inflight:
@@ -348,9 +361,13 @@ class WorkerConnector:
                         f"generation changed to {metadata.generation} with "
                         f"{len(self._inflight)} step(s) in flight"
                     )
-                for slot in table.live_slots():
-                    release.extend(reversed(table.keys[slot]))
-                table.clear()
+                # The generation before ends: its finished requests first, then every
+                # other request, each keeping what it was given (it resumes in this one).
+                self._finish(finishing, metadata, preempted, ended)
+                live = table.live_slots()
+                table.preempted.update(s for s in live if s not in table.finishing)
+                self._teardown(live, *ended)
+                ended = ([], [])
                 self._generation = metadata.generation
             self._register(req_ids, emit_starts, slots)
             for req_id, keys in new_keys.items():
@@ -359,19 +376,56 @@ class WorkerConnector:
                 table.nkeys[slot] += len(keys)
                 self._unpinned.extend(keys)
                 self._collect_keyed(slot, self._unput)
-            teardown: list[int] = []
-            for req_id in finishing:
-                slot = table.lookup(req_id)
-                table.finishing.add(slot)
-                if self.record_manifests and req_id in metadata.completions:
-                    table.completion[slot] = Completion(*map(int, metadata.completions[req_id]))
-                    table.record_as[slot] = metadata.record_as.get(req_id)
-                if not self._in_flight(slot):
-                    teardown.append(slot)
+            if not reset:
+                teardown = self._finish(finishing, metadata, preempted, ended)
             # Most steps have nothing else to store: their own put pins the new keys and
             # stores the blocks they key.
-            if not req_ids or teardown or release:
-                self._teardown(teardown, release)
+            if not req_ids or teardown or ended[0] or ended[1]:
+                self._teardown(teardown, *ended)
+
+    def _preempted(self, metadata: StepMetadata, finished: set[str]) -> set[str]:
+        """The step's preempted requests: finished ones, none of them for good."""
+        if isinstance(metadata.preempted, str):
+            raise MetadataError("preempted is a collection of request ids, not a str")
+        preempted = set(metadata.preempted)
+        if not preempted <= finished:
+            raise MetadataError(f"preempted requests must be finished in the same step: "
+                                f"{sorted(preempted - finished)}")
+        if not preempted.isdisjoint(metadata.completions):
+            raise MetadataError(f"preempted requests cannot finish for good: "
+                                f"{sorted(preempted & metadata.completions.keys())}")
+        return preempted
+
+    def _finish(self, finishing: list[str], metadata: StepMetadata, preempted: set[str],
+                ended: tuple[list[str], list[Manifest]]) -> list[int]:
+        """Mark the step's finished requests; returns the slots no step in flight covers
+        (torn down now). A request that ended while preempted, with no slot, is recorded
+        from what it was given into ``ended`` (releases, manifests)."""
+        table = self._table
+        teardown: list[int] = []
+        for req_id in finishing:
+            completion = metadata.completions.get(req_id) if self.record_manifests else None
+            if completion is not None:
+                completion = Completion(*map(int, completion))
+            slot = table.slot_of.get(req_id)
+            if slot is None:  # given rows before its preemption, never resumed
+                given = self._delivered.pop(req_id)
+                if completion is not None:
+                    name = metadata.record_as.get(req_id) or req_id
+                    lo, hi = completion.prompt_start, completion.num_tokens - 1
+                    ended[1].append(Manifest(name, self.layout.fingerprint, completion,
+                                             given.between(lo, hi)))
+                ended[0].extend(reversed(given.held))
+                continue
+            table.finishing.add(slot)
+            if completion is not None:
+                table.completion[slot] = completion
+                table.record_as[slot] = metadata.record_as.get(req_id)
+            elif req_id in preempted:
+                table.preempted.add(slot)
+            if not self._in_flight(slot):
+                teardown.append(slot)
+        return teardown
 
     def _check_completions(self, completions, new_keys: dict[str, list[str]]) -> None:
         """Each completion is two counts, and its manifest names no row the request will
@@ -384,11 +438,15 @@ class WorkerConnector:
             start, end = completion[0], completion[1] - 1  # the last token routes nothing
             if end <= start:
                 continue
-            slot = table.lookup(req_id)
-            keyed = (int(table.nkeys[slot]) + len(new_keys.get(req_id, ()))) * bs
-            running = [int(p.token_starts[i] + p.counts[i]) for p in self._inflight
-                       for i in np.flatnonzero(p.slots == slot).tolist()]
-            have = max(keyed, int(table.capture[slot]), *running)
+            slot = table.slot_of.get(req_id)
+            given = self._delivered.get(req_id)
+            if slot is None:  # ended while preempted: only what it was given
+                have = given.end if given is not None and given.start <= start else start
+            else:
+                keyed = (int(table.nkeys[slot]) + len(new_keys.get(req_id, ()))) * bs
+                running = [int(p.token_starts[i] + p.counts[i]) for p in self._inflight
+                           for i in np.flatnonzero(p.slots == slot).tolist()]
+                have = max(keyed, int(table.capture[slot]), *running)
             if end > have:
                 raise MetadataError(f"completion of request {req_id!r} names rows up to "
                                     f"{end}; the worker has rows up to {have}")
@@ -440,6 +498,11 @@ class WorkerConnector:
                 new += resumed
         for i in new:
             table.add(req_ids[i], emit_starts[i])
+        if self._delivered:
+            for i in new:
+                given = self._delivered.get(req_ids[i])
+                if given is not None:
+                    self._delivered[req_ids[i]] = given.up_to(emit_starts[i])
 
     def _collect_keyed(self, slot: int, objects: dict[str, np.ndarray]) -> None:
         """Move full blocks whose hash has now arrived from ``unkeyed`` into ``objects``."""
@@ -478,33 +541,76 @@ class WorkerConnector:
             self.stats.blocks_published += len(objects)
             self.stats.manifests += len(manifests)
 
-    def _teardown(self, slots: list[int], release=()) -> None:
-        """Record finished requests' manifests, release their keys tail first, free them.
+    def _teardown(self, slots: list[int], release=(), manifests=()) -> None:
+        """Record finished requests' manifests, release their keys tail first, free them;
+        a preempted request keeps what it was given. ``release`` and ``manifests`` go
+        with them.
 
         One store call, so the manifests hold their blocks before the request lets go.
         """
         if not slots:  # most steps: no request ends
-            self._put({}, release)
+            self._put({}, release, manifests)
             return
         table = self._table
-        manifests = [self._manifest(s) for s in slots if s in table.completion]
-        release = list(release)
+        release, manifests = list(release), list(manifests)
         for s in slots:
-            release += reversed(table.keys[s])
+            req_id = table.req_id[s]
+            given = self._delivered.pop(req_id, None) if self._delivered else None
+            if s in table.completion:
+                manifests.append(self._manifest(s, given))
+            held = [*reversed(table.keys[s])]
+            if given is not None:
+                held += reversed(given.held)
+            if s in table.preempted:
+                # Kept until the request ends, running again or not (empty where no
+                # manifest will name it): the scheduler tells of its end either way.
+                given = self._given(s, given) if self.record_manifests else _NOTHING
+                resumed = table.slot_of.get(req_id, s)  # registered again already
+                if resumed != s:
+                    given = given.up_to(int(table.emit_from[resumed]))
+                self._delivered[req_id] = given
+                held = without(held, given.held)
+            release += held
         table.free(slots)  # what the call carries stays the worker's if it is refused
         self._put({}, release, manifests)
 
-    def _manifest(self, slot: int) -> Manifest:
+    def _given(self, slot: int, before: Delivered | None) -> Delivered:
+        """What the request in ``slot`` was given: ``before`` (its earlier incarnations'),
+        then its own rows up to its emit cursor, its stored blocks by key (held), the rest
+        copied."""
+        table, bs = self._table, self.layout.block_size
+        emit = int(table.emit[slot])
+        if before is None:
+            before = Delivered(int(table.emit_from[slot]), [], [])
+        if before.end >= emit:
+            return before
+        head, keys, tail = self._spans(slot, before.end, emit, {}, emit // bs)
+        segments = [*map(self._owned, head), *(BlockRef(k, 0, bs) for k in keys),
+                    *map(self._owned, tail)]
+        return Delivered(before.start, [*before.segments, *segments],
+                         [*before.held, *(s.key for s in segments if isinstance(s, BlockRef))])
+
+    @staticmethod
+    def _owned(part: tuple) -> BlockRef | np.ndarray:
+        source, a, b = part
+        return BlockRef(source, a, b) if isinstance(source, str) else source[a:b].copy()
+
+    def _manifest(self, slot: int, given: Delivered | None = None) -> Manifest:
         """The request's rows by reference: keyed whole blocks in one slice of its keys,
-        only the partial blocks at either end looked up one by one."""
+        only the partial blocks at either end looked up one by one. Rows it was given
+        before a preemption come from ``given``."""
         table = self._table
         bs = self.layout.block_size
         completion = table.completion[slot]
         lo, hi = completion.prompt_start, completion.num_tokens - 1
-        segments: list | BlockSpan = []
+        before: list = []
+        if given is not None and lo < hi and lo >= given.start:
+            before = given.between(lo, hi)
+            lo = max(lo, min(given.end, hi))
+        segments: list | BlockSpan = before
         if lo < hi:
             head, keys, tail = self._spans(slot, lo, hi, {}, hi // bs)
-            segments = BlockSpan([*map(self._segment, head)], keys,
+            segments = BlockSpan([*before, *map(self._segment, head)], keys,
                                  [*map(self._segment, tail)], bs)
         return Manifest(table.record_as.get(slot) or table.req_id[slot],
                         self.layout.fingerprint, completion, segments)
@@ -987,6 +1093,8 @@ class WorkerConnector:
         with self._lock:
             table = self._table
             release = [k for s in table.live_slots() for k in reversed(table.keys[s])]
+            release += [k for given in self._delivered.values() for k in reversed(given.held)]
+            self._delivered.clear()
             table.clear()
             self._inflight.clear()
             try:

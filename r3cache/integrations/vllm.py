@@ -79,8 +79,9 @@ def register() -> None:
                    "AuxOutputSchedulerConnector", None)
     missing += [f"AuxOutputSchedulerConnector.{m}" for m in _SCHEDULER_METHODS
                 if base is not None and not hasattr(base, m)]
-    if base is not None and not hasattr(base(), "_sent_hash_counts"):
-        missing.append("AuxOutputSchedulerConnector._sent_hash_counts")
+    if base is not None:
+        missing += [f"AuxOutputSchedulerConnector.{a}"
+                    for a in ("_sent_hash_counts", "_finished_requests") if not hasattr(base(), a)]
     if missing:
         _differs(f"missing {', '.join(missing)}")
     modules["vllm.v1.worker.gpu.model_runner"].get_aux_output_connector = worker_connector
@@ -210,11 +211,13 @@ def _metadata_class() -> type:
 
         @dataclass
         class R3ConnectorMetadata(AuxOutputConnectorMetadata):
-            """vLLM's step metadata, the requests that finished for good this step, and the
-            ids their manifests are recorded under."""
+            """vLLM's step metadata, the requests that finished for good this step, the
+            ids their manifests are recorded under, and the finished ones that were
+            preempted (they resume)."""
 
             completions: dict[str, Completion] = field(default_factory=dict)
             record_as: dict[str, str] = field(default_factory=dict)
+            preempted: tuple[str, ...] = ()
 
         R3ConnectorMetadata.__qualname__ = "R3ConnectorMetadata"
         _built["metadata"] = R3ConnectorMetadata
@@ -225,33 +228,60 @@ def _scheduler_connector_class(base):
     metadata_class = _metadata_class()
 
     class R3SchedulerConnector(base):
-        """Own vLLM's scheduler-side connector state plus the completions for manifests."""
+        """Own vLLM's scheduler-side connector state plus the completions for manifests
+        and the preempted requests the worker keeps what they were given for."""
 
         def __init__(self) -> None:
             super().__init__()
             self._completions: dict[str, Completion] = {}
             self._record_as: dict[str, str] = {}
+            self._preempted: list[str] = []  # for the next metadata
+            # Preempted and not scheduled since: the worker keeps what they were given
+            # until it hears that they ended.
+            self._waiting: set[str] = set()
             self._inline = engine.inline()
 
         def build_connector_meta(self, scheduler_output, requests):
             meta = super().build_connector_meta(scheduler_output, requests)
             completions, self._completions = self._completions, {}
             record_as, self._record_as = self._record_as, {}
+            preempted, self._preempted = tuple(self._preempted), []
+            if self._waiting:
+                self._waiting.difference_update(meta.requests)
             return metadata_class(meta.generation, meta.requests, meta.block_hashes,
-                                  meta.finished_requests, completions, record_as)
+                                  meta.finished_requests, completions, record_as, preempted)
 
         def request_finished(self, request) -> None:
             # Only a request the worker heard of gets a terminal event (and a manifest);
             # a preempted one is finished on the worker but not for good.
-            known = request.request_id in self._sent_hash_counts
+            req_id = request.request_id
+            known, waiting = req_id in self._sent_hash_counts, req_id in self._waiting
             super().request_finished(request)
-            if known and request.is_finished():
+            if not request.is_finished():
+                if known:
+                    self._preempted.append(req_id)
+                    self._waiting.add(req_id)
+                return
+            if waiting:
+                self._waiting.discard(req_id)
+                if req_id in self._preempted:  # not sent yet: the worker hears of its end
+                    self._preempted.remove(req_id)
+                else:  # ended before it ran again, which vLLM's connector sends no event for
+                    self._finished_requests.setdefault(req_id, None)
+            if known or waiting:
                 params = request.sampling_params
                 start = min(getattr(params, "routed_experts_prompt_start", 0) or 0,
                             request.num_prompt_tokens)
-                self._completions[request.request_id] = Completion(start, request.num_tokens)
-                self._record_as[request.request_id] = (getattr(request, "r3cache_id", None)
-                                                       or request.request_id)
+                self._completions[req_id] = Completion(start, request.num_tokens)
+                self._record_as[req_id] = getattr(request, "r3cache_id", None) or req_id
+
+        def reset(self) -> None:
+            # vLLM's connector drops the terminal events the worker has not had: they go
+            # to it with the reset, as the generation before's (manifests, and what a
+            # preempted request was given), the blocks of their last hashes as rows.
+            pending = list(self._finished_requests)
+            super().reset()
+            self._finished_requests.update(dict.fromkeys(pending))
 
         def take_output(self, request, output):
             rows = super().take_output(request, output)
@@ -337,7 +367,7 @@ class VllmWorkerConnector:
             {r: PackedHashes(packed.data, packed.item_size)
              for r, packed in metadata.block_hashes.items()},
             metadata.finished_requests, getattr(metadata, "completions", {}),
-            getattr(metadata, "record_as", {}))
+            getattr(metadata, "record_as", {}), getattr(metadata, "preempted", ()))
         try:
             self.worker.begin_step(self._renamed(step) if self._stand_ins else step)
         except ContractError:
@@ -377,7 +407,8 @@ class VllmWorkerConnector:
         return StepMetadata(
             step.generation, {new(r, r): e for r, e in step.requests.items()},
             {new(r, r): h for r, h in step.block_hashes.items()},
-            tuple(new(r, r) for r in step.finished_requests), completions, record_as)
+            tuple(new(r, r) for r in step.finished_requests), completions, record_as,
+            tuple(new(r, r) for r in step.preempted))
 
     def prepare_output(self, input_batch):
         if self.worker is None or not self._metadata_seen:
