@@ -385,6 +385,8 @@ class WorkerConnector:
 
     def _preempted(self, metadata: StepMetadata, finished: set[str]) -> set[str]:
         """The step's preempted requests: finished ones, none of them for good."""
+        if not metadata.preempted:  # most steps
+            return set()
         if isinstance(metadata.preempted, str):
             raise MetadataError("preempted is a collection of request ids, not a str")
         preempted = set(metadata.preempted)
@@ -578,29 +580,26 @@ class WorkerConnector:
         """What the request in ``slot`` was given: ``before`` (its earlier incarnations'),
         then its own rows up to its emit cursor, its stored blocks by key (held), the rest
         copied."""
-        table, bs = self._table, self.layout.block_size
+        table = self._table
         emit = int(table.emit[slot])
         if before is None:
             before = Delivered(int(table.emit_from[slot]), [], [])
         if before.end >= emit:
             return before
-        head, keys, tail = self._spans(slot, before.end, emit, {}, emit // bs)
-        segments = [*map(self._owned, head), *(BlockRef(k, 0, bs) for k in keys),
-                    *map(self._owned, tail)]
-        return Delivered(before.start, [*before.segments, *segments],
-                         [*before.held, *(s.key for s in segments if isinstance(s, BlockRef))])
+        span = self._span(slot, before.end, emit, self._owned)
+        return Delivered(before.start, [*before.segments, *span],
+                         [*before.held, *span.block_keys])
 
-    @staticmethod
-    def _owned(part: tuple) -> BlockRef | np.ndarray:
-        source, a, b = part
-        return BlockRef(source, a, b) if isinstance(source, str) else source[a:b].copy()
+    @classmethod
+    def _owned(cls, part: tuple) -> BlockRef | np.ndarray:
+        segment = cls._segment(part)
+        return segment if isinstance(segment, BlockRef) else segment.copy()
 
     def _manifest(self, slot: int, given: Delivered | None = None) -> Manifest:
         """The request's rows by reference: keyed whole blocks in one slice of its keys,
         only the partial blocks at either end looked up one by one. Rows it was given
         before a preemption come from ``given``."""
         table = self._table
-        bs = self.layout.block_size
         completion = table.completion[slot]
         lo, hi = completion.prompt_start, completion.num_tokens - 1
         before: list = []
@@ -609,11 +608,17 @@ class WorkerConnector:
             lo = max(lo, min(given.end, hi))
         segments: list | BlockSpan = before
         if lo < hi:
-            head, keys, tail = self._spans(slot, lo, hi, {}, hi // bs)
-            segments = BlockSpan([*before, *map(self._segment, head)], keys,
-                                 [*map(self._segment, tail)], bs)
+            segments = self._span(slot, lo, hi, self._segment)
+            segments.head[:0] = before
         return Manifest(table.record_as.get(slot) or table.req_id[slot],
                         self.layout.fingerprint, completion, segments)
+
+    def _span(self, slot: int, lo: int, hi: int, segment) -> BlockSpan:
+        """Rows ``[lo, hi)`` of the request in ``slot`` as manifest segments, each part
+        at either end made by ``segment``."""
+        head, keys, tail = self._spans(slot, lo, hi, {}, hi // self.layout.block_size)
+        return BlockSpan([*map(segment, head)], keys, [*map(segment, tail)],
+                         self.layout.block_size)
 
     def _spans(self, slot: int, lo: int, hi: int, own, keyed_until: int,
                req_id: str | None = None) -> tuple[list, list[str], list]:
