@@ -2,7 +2,7 @@
 
     python generate.py MODEL OUT.npz --prompts P.json [--max-tokens N] [--rounds R] [--n N]
         [--request-ids IDS.json] [--new-weights] [--pause-at STEP ...]
-        [--abort-at-pause ID] [--kv-blocks N]
+        [--abort-at-pause ID] [--abort-preempted] [--kv-blocks N]
 
 The environment decides the rest (R3CACHE_URL and friends, vLLM's CPU settings). Each
 round sends every prompt once; OUT.npz holds each completion's token ids and inline
@@ -62,10 +62,11 @@ def _count_preemptions(llm) -> list[str]:
     return preempted
 
 
-def _paused_rollouts(llm, prompts, args, arrays) -> tuple[list[str], list[str]]:
+def _stepped_rollouts(llm, prompts, args, arrays, preemptions: list[str]) -> dict:
     """Step the engine through ``prompts`` with a weight update in flight before each step
-    of ``args.pause_at``; returns the request ids in the order they finished, and those
-    that finished in a step right before a pause."""
+    of ``args.pause_at`` (and the aborts asked for); returns the request ids in the order
+    they finished, those that finished in a step right before a pause, and the request
+    aborted while preempted."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -75,6 +76,7 @@ def _paused_rollouts(llm, prompts, args, arrays) -> tuple[list[str], list[str]]:
             max_tokens=args.max_tokens + 3 * i, ignore_eos=True, temperature=0, seed=0))
     ids: list[str] = []
     just_before: list[str] = []
+    aborted = None
     step = 0
     while engine.has_unfinished_requests():
         if step in args.pause_at:
@@ -83,6 +85,7 @@ def _paused_rollouts(llm, prompts, args, arrays) -> tuple[list[str], list[str]]:
             if args.abort_at_pause and step == min(args.pause_at):
                 engine.abort_request([args.abort_at_pause])
             core.resume_scheduler()
+        told = len(preemptions)  # preempted before this step: its metadata tells the worker
         for output in engine.step():
             if output.finished:
                 ids.append(output.request_id)
@@ -91,8 +94,15 @@ def _paused_rollouts(llm, prompts, args, arrays) -> tuple[list[str], list[str]]:
                 arrays[f"tokens:{output.request_id}"] = np.array(output.outputs[0].token_ids)
                 arrays[f"routes:{output.request_id}"] = np.asarray(
                     output.outputs[0].routed_experts)
+        if args.abort_preempted and aborted is None:
+            waiting = {request.request_id for request in core.scheduler.waiting}
+            aborted = next((r for r in preemptions[:told] if r in waiting), None)
+            if aborted is not None:
+                engine.abort_request([aborted], internal=True)
         step += 1
-    return ids, just_before
+    # The engine core knows a request as "<caller's id>-<8 random hex>".
+    return {"ids": ids, "finished_before_pause": just_before,
+            "aborted": aborted and aborted.rsplit("-", 1)[0]}
 
 
 def main() -> None:
@@ -121,6 +131,9 @@ def main() -> None:
                         "update in flight")
     parser.add_argument("--abort-at-pause", default=None, metavar="ID",
                         help="abort request ID during the first pause, before it runs again")
+    parser.add_argument("--abort-preempted", action="store_true",
+                        help="one round as with --pause-at; abort the first request that "
+                        "waits after a preemption the worker has heard of")
     parser.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                         help="a KV cache of N blocks, few enough that requests are "
                         "preempted and recomputed")
@@ -151,9 +164,11 @@ def main() -> None:
                     arrays[f"tokens:{key}"] = np.array(output.outputs[0].token_ids)
                     arrays[f"routes:{key}"] = np.asarray(output.outputs[0].routed_experts)
     report = {}
-    if args.pause_at:
-        ids, report["finished_before_pause"] = _paused_rollouts(llm, prompts, args, arrays)
-    for round_ in range(args.rounds if not (args.request_ids or args.pause_at) else 0):
+    stepped = args.pause_at or args.abort_preempted
+    if stepped:
+        report = _stepped_rollouts(llm, prompts, args, arrays, preemptions)
+        ids = report["ids"]
+    for round_ in range(args.rounds if not (args.request_ids or stepped) else 0):
         if round_ and args.new_weights:
             _update_weights(llm)
             assert llm.reset_prefix_cache()

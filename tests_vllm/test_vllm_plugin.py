@@ -167,6 +167,24 @@ def test_requests_preempted_and_recomputed_get_vllms_own_routes(request, backend
         _assert_routes(url, namespace, run)
 
 
+def test_a_request_aborted_while_preempted_is_recorded_as_given(model, preempting, redis_url,
+                                                              namespace, tmp_path):
+    # Preempted for KV space, its preemption sent to the worker, then aborted before it
+    # runs again: vLLM's connector sends the worker nothing more; the plugin sends its
+    # end, and its manifest is the rows it was given.
+    run = run_vllm(model, tmp_path, grpo_prompts(), max_tokens=200,
+                   extra=(*PREEMPTING, "--abort-preempted"),
+                   env={"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace})
+    aborted = run.report["aborted"]
+    assert aborted is not None and aborted not in run.ids and len(run.ids) == 8
+    _assert_routes(redis_url, namespace, run)
+    with R3Reader(redis_url, namespace=namespace) as reader:
+        given = reader.get(aborted, wait=15)
+    # Greedy: prompt i's routes are those of request i of vLLM's own run, 200 tokens long.
+    own = preempting.routes(aborted.removeprefix("r"))
+    assert 84 < len(given) < len(own) and given.tobytes() == own[: len(given)].tobytes()
+
+
 def test_on_the_embedded_store_routes_are_inline_and_nothing_is_held_for_a_trainer(
         model, baseline, tmp_path):
     """memory:// lives inside the engine: sized as vLLM sizes its own store (a block of
