@@ -441,9 +441,9 @@ class WorkerConnector:
             if end <= start:
                 continue
             slot = table.slot_of.get(req_id)
-            given = self._delivered.get(req_id)
             if slot is None:  # ended while preempted: only what it was given
-                have = given.end if given is not None and given.start <= start else start
+                given = self._delivered[req_id]
+                have = given.end if given.start <= start else start
             else:
                 keyed = (int(table.nkeys[slot]) + len(new_keys.get(req_id, ()))) * bs
                 running = [int(p.token_starts[i] + p.counts[i]) for p in self._inflight
@@ -560,9 +560,10 @@ class WorkerConnector:
             given = self._delivered.pop(req_id, None) if self._delivered else None
             if s in table.completion:
                 manifests.append(self._manifest(s, given))
-            held = [*reversed(table.keys[s])]
-            if given is not None:
-                held += reversed(given.held)
+            if given is None and s not in table.preempted:  # most requests: nothing kept
+                release += reversed(table.keys[s])
+                continue
+            held = [*reversed(table.keys[s]), *reversed(given.held if given else ())]
             if s in table.preempted:
                 # Kept until the request ends, running again or not (empty where no
                 # manifest will name it): the scheduler tells of its end either way.
