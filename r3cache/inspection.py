@@ -13,6 +13,7 @@ from r3cache.store.base import StoreStats
 from r3cache.store.redis.connect import connect, list_namespaces, open_redis_store
 from r3cache.store.redis.errors import redis_errors
 from r3cache.store.redis.janitor import owner_liveness
+from r3cache.store.redis.nodes import retried
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,11 @@ def look(url: str, namespace: str) -> NamespaceView:
 
 
 def server(url: str) -> ServerView:
-    nodes, _, _ = connect(url, None, {})
+    nodes, options, _ = connect(url, None, {})
     try:
         with redis_errors(None, "reading INFO"):
-            infos = [client.info() for client in nodes.primaries()]
+            infos = retried(nodes, lambda: [c.info() for c in nodes.primaries()],
+                            retries=options.retries)
     finally:
         nodes.close()
     return ServerView(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -657,6 +658,56 @@ def test_a_cluster_with_no_node_answering_is_a_typed_error_and_the_lease_outlive
         finally:
             with contextlib.suppress(R3Error):
                 store.close()
+
+
+# A reader's, a trainer's and an operator's calls on a Redis that answers nothing: 3 tries
+# (retries=2) of 0.5 s each, and 0.15 s of backoff between them.
+_STALLED_OPTIONS = "retries=2&socket_timeout=0.5&socket_connect_timeout=0.5"
+_STALLED_CALLS = {
+    "open_store": lambda url: open_store(url, layout=LAYOUT, namespace="stalled").close(),
+    "R3Reader.get": lambda url: R3Reader(url, namespace="stalled").get("r0", wait=0.1),
+    "r3cache inspect": lambda url: subprocess.run(
+        [sys.executable, "-m", "r3cache.cli", "inspect", url], capture_output=True,
+        text=True, timeout=60),
+}
+
+
+@pytest.mark.parametrize("fault", ["stalled (SIGSTOP)", "spoken to over TLS"])
+@pytest.mark.parametrize("call", sorted(_STALLED_CALLS))
+def test_a_redis_that_answers_nothing_costs_a_call_its_tries_not_their_square(
+        call, fault, reliability):
+    """Each call is tried ``retries`` + 1 times, each try bounded by the socket timeouts.
+    Retried by redis-py's client as well as by r3cache's rounds, a server that accepts
+    connections and answers nothing (stopped, or a plain server behind a rediss:// URL)
+    held every call (retries + 1)² timeouts: 163 s with the defaults."""
+    from r3cache.errors import StoreUnavailableError
+
+    with RedisServer() as server:
+        open_store(server.url, layout=LAYOUT, namespace="stalled").close()
+        url = f"{server.url}?{_STALLED_OPTIONS}"
+        if fault.startswith("stalled"):
+            server.process.send_signal(signal.SIGSTOP)
+        else:
+            url = url.replace("redis://", "rediss://", 1)
+        try:
+            began = time.monotonic()
+            if call == "r3cache inspect":
+                done = _STALLED_CALLS[call](url)
+                assert done.returncode == 2 and "StoreUnavailableError" in done.stderr
+                assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
+            else:
+                with pytest.raises(StoreUnavailableError, match="unavailable"):
+                    _STALLED_CALLS[call](url)
+            took = time.monotonic() - began
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+    # 1.65 s; a process of the command line's starts in under a second more. Retried in
+    # both layers: 9 tries, at least 4.5 s, and redis-py's backoff between.
+    assert 1.5 < took < (4.0 if call == "r3cache inspect" else 3.0)
+    reliability(f"Redis {fault}: accepts connections, answers nothing",
+                f"{call}, retries=2, socket timeouts 0.5 s",
+                "StoreUnavailableError after retries + 1 tries of one timeout each",
+                f"raised after {took:.2f} s")
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])

@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.retry import Retry
@@ -127,18 +127,21 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
                             "db=; give one")
     store_options, client_options = _split_options(query, options,
                                                    tls=parts.scheme.startswith("rediss"))
-    backoff = ExponentialBackoff(cap=1.0, base=0.05)
-    try:
-        retry = Retry(backoff, store_options.retries, is_retryable=retryable)
-    except TypeError:  # redis-py before 8.2 takes no checker: it retries refusals too
-        retry = Retry(backoff, store_options.retries)
     client_options.setdefault("socket_timeout", 10.0)
     client_options.setdefault("socket_connect_timeout", 5.0)
     display = _display(parts)
     if not parts.scheme.endswith("+cluster"):
         plain = url.split("?", 1)[0]
-        client = redis.Redis.from_url(plain, retry=retry, **client_options)
+        # One try per connection and command, as redis-py gives a cluster's node clients:
+        # r3cache's rounds (nodes.execute, nodes.retried) retry `retries` times. Retried in
+        # both layers, a stalled server would hold each call (retries + 1)² timeouts.
+        client = redis.Redis.from_url(plain, retry=Retry(NoBackoff(), 0), **client_options)
         return SingleNode(client), store_options, display
+    backoff = ExponentialBackoff(cap=1.0, base=0.05)
+    try:
+        retry = Retry(backoff, store_options.retries, is_retryable=retryable)
+    except TypeError:  # redis-py before 8.2 takes no checker: it retries refusals too
+        retry = Retry(backoff, store_options.retries)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     if userinfo:
         user, _, password = userinfo.partition(":")
@@ -191,7 +194,7 @@ def _stored_layout(nodes, keys: KeySchema, display: str, retries: int) -> Routin
         fingerprint = command(nodes, keys.meta, "HGET", keys.meta, "fingerprint",
                               retries=retries)
         if fingerprint is None:
-            raise missing_namespace(nodes, display, keys)
+            raise missing_namespace(nodes, display, keys, retries)
     return RoutingLayout.from_fingerprint(fingerprint.decode())
 
 

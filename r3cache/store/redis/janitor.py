@@ -40,8 +40,9 @@ def scan_keys(store, pattern: bytes) -> list[bytes]:
     """Every key matching ``pattern`` on every primary (SCAN, never KEYS), each once: a
     key whose slot moves during the scan (a reshard) may be met on two primaries."""
     found: dict[bytes, None] = {}
-    for client in store.primaries():
-        found.update(dict.fromkeys(client.scan_iter(match=pattern, count=_SCAN_COUNT)))
+    for keys in store.on_primaries(lambda c: list(c.scan_iter(match=pattern,
+                                                              count=_SCAN_COUNT))):
+        found.update(dict.fromkeys(keys))
     return list(found)
 
 
@@ -61,7 +62,7 @@ def owner_liveness(store) -> dict[str, bool]:
     owners = store.keys.owners
     entries = hash_reply(store.call(owners, "HGETALL", owners))
     try:
-        seconds, micros = store.client_for(owners).time()
+        seconds, micros = map(int, store.call(owners, "TIME"))
         now = seconds * 1000 + micros // 1000
     except redis.exceptions.NoPermissionError:
         now = int(time.time() * 1000)

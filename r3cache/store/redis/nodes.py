@@ -348,6 +348,23 @@ def command(nodes: SingleNode | ClusterNodes, key: bytes, *args: Any, retries: i
         return replies[0]
 
 
+def retried(nodes: SingleNode | ClusterNodes, call: Callable[[], Any], *, retries: int
+            ) -> Any:
+    """``call()``, calls on the nodes' clients that are no one key's command (INFO on
+    every primary, a SCAN, SCRIPT LOAD), retried as ``execute`` retries a round: after a
+    dropped connection or a timeout, up to ``retries`` times, the slot map relearnt
+    between (``call`` looks the primaries up again). Its return value."""
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            if attempt >= retries or not retryable(exc):
+                raise
+        _relearn(nodes, attempt)
+        attempt += 1
+
+
 def _reload_scripts(client, commands, replies: list[Any], scripts: dict[str, Any]) -> None:
     """Re-run commands whose script the node lost (NOSCRIPT); raise any other error reply."""
     for n, reply in enumerate(replies):

@@ -46,6 +46,7 @@ from r3cache.store.redis.nodes import (
     command,
     execute,
     hash_reply,
+    retried,
 )
 from r3cache.store.redis.scripts import (
     HOLDS_SCRIPT,
@@ -101,14 +102,12 @@ class RedisOptions:
                 raise ContractError(f"{name} must be >= 0, not {getattr(self, name)}")
 
 
-def missing_namespace(source, display: str, keys: KeySchema | None = None
+def missing_namespace(nodes, display: str, keys: KeySchema, retries: int
                       ) -> NamespaceNotFoundError:
     """The error for a namespace without metadata, naming the likely cause."""
-    keys = keys or source.keys
     index = keys.manifest_index
-    client = source.client_for(index)
-    owners = client.hlen(keys.owners) if client is source.client_for(keys.owners) else 0
-    if client.exists(index) or owners:
+    if (command(nodes, index, "EXISTS", index, retries=retries)
+            or command(nodes, keys.owners, "HLEN", keys.owners, retries=retries)):
         return NamespaceNotFoundError(
             f"namespace {keys.namespace!r} at {display} has manifests or owners but no "
             f"metadata ({keys.meta.decode()} is gone): Redis restarted without persistence "
@@ -179,9 +178,8 @@ class RedisBlockStore:
         self._lease: Lease | None = None
         with redis_errors(namespace, "opening the namespace"):
             # Loaded up front so the first batch needs no NOSCRIPT round trip per node.
-            for client in nodes.primaries():
-                for script in SCRIPTS.values():
-                    client.script_load(script.source)
+            self.on_primaries(lambda client: [client.script_load(script.source)
+                                              for script in SCRIPTS.values()])
             self._open_namespace()
             # Once an engine: its helper process opens without the janitor and this check.
             if options.janitor:
@@ -199,13 +197,14 @@ class RedisBlockStore:
         idle blocks, which carry a TTL, can be evicted, and without maxmemory none are),
         and fewer replicas than ``wait_replicas`` (every write would wait ``wait_timeout``
         for acknowledgements that cannot come)."""
-        evicting = short = False
-        for client in self._nodes.primaries():
+        def settings(client):
             try:
-                memory = client.info("memory")
-                replication = client.info("replication")
+                return client.info("memory"), client.info("replication")
             except redis.exceptions.ResponseError:  # an ACL without INFO: nothing to tell
-                continue
+                return None
+
+        evicting = short = False
+        for memory, replication in filter(None, self.on_primaries(settings)):
             policy = memory.get("maxmemory_policy")
             if not evicting and int(memory.get("maxmemory", 0)) and policy not in SAFE_POLICIES:
                 evicting = True
@@ -656,6 +655,11 @@ class RedisBlockStore:
 
     def primaries(self) -> list[redis.Redis]:
         return self._nodes.primaries()
+
+    def on_primaries(self, call: Callable[[redis.Redis], Any]) -> list:
+        """``call(client)`` on every primary, retried as one command is (``call``)."""
+        return retried(self._nodes, lambda: [call(c) for c in self._nodes.primaries()],
+                       retries=self.options.retries)
 
     def restore(self, holds: bool) -> None:
         """After Redis lost state: the namespace metadata and, with ``holds``, every hold
