@@ -162,7 +162,7 @@ def test_the_default_writer_is_the_helper_process_for_redis(request, namespace, 
 def test_the_helper_waits_for_redis_that_comes_up_within_max_wait(namespace):
     """A helper started while its Redis restarts (a failover) connects once it answers."""
     server = RedisServer().start()
-    # Longer than redis-py's own connection retries (a few tenths of a second) cover.
+    # Longer than a store's own retries (a few tenths of a second) cover.
     restart = threading.Timer(2.5, server.start)
     try:
         open_store(server.url, layout=LAYOUT, namespace=namespace).close()  # the namespace
