@@ -305,6 +305,31 @@ def _recorded(reader) -> list[str]:
     return [r.decode() for r in reader.store.call(index, "ZRANGE", index, 0, -1)]
 
 
+def _each_recorded(reader, ids: list[str], batch: int, dtype=None, skipped: list | None = None):
+    """(request id, manifest, rows) of each of ``ids`` still recorded when read, ``batch``
+    at a time. A trainer reading beside this one releases what it read, and the janitor
+    what expired: a manifest gone since ``ids`` were listed is skipped (its id appended to
+    ``skipped``), not the end of the run."""
+    from r3cache.errors import ManifestNotFoundError
+
+    skipped = [] if skipped is None else skipped
+    for at in range(0, len(ids), batch):
+        left = ids[at : at + batch]
+        while left:
+            manifests = dict(zip(left, reader.store.get_manifests(left)))
+            present = [r for r in left if manifests[r] is not None]
+            skipped += (r for r in left if manifests[r] is None)
+            try:
+                rows = reader.get_many(present, dtype=dtype) if present else []
+            except ManifestNotFoundError as exc:  # released between the two reads
+                gone = set(exc.request_ids)
+                skipped += (r for r in present if r in gone)
+                left = [r for r in present if r not in gone]
+                continue
+            yield from zip(present, map(manifests.__getitem__, present), rows)
+            break
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
     from r3cache.inspection import describe, look
     from r3cache.store.redis.connect import list_namespaces
@@ -364,26 +389,24 @@ def _run_export(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    index = []
+    index, skipped = [], []
     with R3Reader(args.url, namespace=args.namespace) as reader:
         ids = _recorded(reader)
         with tqdm(total=len(ids), unit="req", desc="export", disable=None) as bar:
-            for at in range(0, len(ids), args.batch):
-                batch = ids[at : at + args.batch]
-                manifests = reader.store.get_manifests(batch)
-                for request_id, manifest, rows in zip(
-                        batch, manifests, reader.get_many(batch, dtype=args.dtype)):
-                    name = _file_name(len(index), request_id)
-                    np.save(out / name, rows)
-                    index.append({"request_id": request_id, "file": name,
-                                  "prompt_start": manifest.completion.prompt_start,
-                                  "num_tokens": manifest.completion.num_tokens,
-                                  "shape": list(rows.shape), "dtype": str(rows.dtype)})
-                    bar.update()
+            for request_id, manifest, rows in _each_recorded(reader, ids, args.batch,
+                                                             args.dtype, skipped):
+                name = _file_name(len(index), request_id)
+                np.save(out / name, rows)
+                index.append({"request_id": request_id, "file": name,
+                              "prompt_start": manifest.completion.prompt_start,
+                              "num_tokens": manifest.completion.num_tokens,
+                              "shape": list(rows.shape), "dtype": str(rows.dtype)})
+                bar.update()
     (out / "index.json").write_text(json.dumps(
         {"namespace": args.namespace, "layout": reader.layout.fingerprint,
          "requests": index}, indent=1))
-    print(f"exported {len(index)} request(s) to {out}")
+    gone = f"; {len(skipped)} released while exporting, skipped" if skipped else ""
+    print(f"exported {len(index)} request(s) to {out}{gone}")
     return 0
 
 
@@ -425,13 +448,16 @@ def _run_plot(args: argparse.Namespace) -> int:
 
     with R3Reader(args.url, namespace=args.namespace) as reader:
         layout = reader.layout
-        ids = [args.request_id] if args.request_id else _recorded(reader)
+        if args.request_id:
+            read = [(args.request_id, None, reader.get(args.request_id))]
+        else:
+            read = _each_recorded(reader, _recorded(reader), 16)
         load = np.zeros((layout.num_layers, layout.num_experts), np.int64)
-        for at in range(0, len(ids), 16):
-            for rows in reader.get_many(ids[at : at + 16]):
-                for layer in range(layout.num_layers):
-                    load[layer] += np.bincount(rows[:, layer].ravel(),
-                                               minlength=layout.num_experts)
+        count = 0
+        for _, _, rows in read:
+            count += 1
+            for layer in range(layout.num_layers):
+                load[layer] += np.bincount(rows[:, layer].ravel(), minlength=layout.num_experts)
     figure, axes = plt.subplots(figsize=(10, 0.12 * layout.num_layers + 2))
     # Load against a uniform router (every expert topk/num_experts of a layer's
     # routings): 1 is balanced, whatever the token count, so near-uniform load looks
@@ -443,7 +469,7 @@ def _run_plot(args: argparse.Namespace) -> int:
                         interpolation="nearest")
     axes.set_xlabel("expert")
     axes.set_ylabel("layer")
-    what = args.request_id or f"{len(ids)} requests"
+    what = args.request_id or f"{count} requests"
     axes.set_title(f"expert load per layer: {args.namespace}, {what}")
     figure.colorbar(image, ax=axes, label="load / uniform load (1 = balanced)")
     figure.tight_layout()

@@ -137,6 +137,37 @@ def test_export_writes_every_request_and_an_index(recorded, namespace, tmp_path)
         assert entry["num_tokens"] == 20 + 9 and list(rows.shape) == entry["shape"]
 
 
+def test_export_and_plot_skip_a_request_released_while_they_run(recorded, namespace,
+                                                                 tmp_path):
+    """A trainer reading beside them releases what it read: a manifest deleted while the
+    index still lists it (release deletes the manifest, then its index entry) is skipped,
+    said so, and every other request is exported exact."""
+    import json
+
+    import numpy as np
+
+    from r3cache import open_store
+
+    url, online = recorded
+    store = open_store(url, layout=None, namespace=namespace)
+    manifest = store.keys.manifest("req-1")
+    assert store.call(manifest, "DEL", manifest) == 1
+    store.close()
+    result = cli("export", url, "--namespace", namespace, "--out", str(tmp_path / "dir"),
+                 "--batch", "2")
+    assert result.returncode == 0, result.stderr
+    assert "exported 2 request(s)" in result.stdout and "1 released" in result.stdout
+    index = json.loads((tmp_path / "dir" / "index.json").read_text())
+    assert [r["request_id"] for r in index["requests"]] == ["req-0", "req-2"]
+    for entry in index["requests"]:
+        np.testing.assert_array_equal(np.load(tmp_path / "dir" / entry["file"]),
+                                      online[entry["request_id"]])
+    result = cli("plot", url, "--namespace", namespace, "--out", str(tmp_path / "load.png"))
+    assert result.returncode == 0, result.stderr
+    routings = online["req-0"].size + online["req-2"].size
+    assert f"2 requests: {routings} routings" in result.stdout
+
+
 def test_plot_draws_the_expert_load(recorded, namespace, tmp_path):
     url, online = recorded
     result = cli("plot", url, "--namespace", namespace, "--out", str(tmp_path / "load.png"))
