@@ -350,10 +350,10 @@ def command(nodes: SingleNode | ClusterNodes, key: bytes, *args: Any, retries: i
 
 def retried(nodes: SingleNode | ClusterNodes, call: Callable[[], Any], *, retries: int
             ) -> Any:
-    """``call()``, calls on the nodes' clients that are no one key's command (INFO on
-    every primary, a SCAN, SCRIPT LOAD), retried as ``execute`` retries a round: after a
-    dropped connection or a timeout, up to ``retries`` times, the slot map relearnt
-    between (``call`` looks the primaries up again). Its return value."""
+    """What ``call()`` returns: client calls that are not one key's command (INFO or
+    SCRIPT LOAD on every primary, a SCAN), retried as ``execute`` retries a round, after a
+    dropped connection or a timeout, up to ``retries`` times, the slot map relearnt in
+    between (``call`` looks the primaries up again)."""
     attempt = 0
     while True:
         try:
