@@ -13,6 +13,7 @@ import numpy as np
 from r3cache.errors import R3Error
 from r3cache.layout import RoutingLayout
 from r3cache.sim import SimConfig, SimReport, grpo_workload, simulate
+from r3cache.store import display_url
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -101,7 +102,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     finally:
         if routes is not None:
             routes.close()
-    print(_format_report(report, layout, args.store, time.perf_counter() - began, args.model))
+    print(_format_report(report, layout, display_url(args.store),
+                         time.perf_counter() - began, args.model))
     return 0 if report.ok else 1
 
 

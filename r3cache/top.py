@@ -6,8 +6,11 @@ import contextlib
 import curses
 import sys
 import time
+from collections.abc import Iterator
 
+from r3cache.errors import StoreUnavailableError
 from r3cache.inspection import Snapshot, snapshot
+from r3cache.store import display_url
 from r3cache.store.redis.store import SAFE_POLICIES
 
 
@@ -45,33 +48,47 @@ def render(now: Snapshot, before: Snapshot | None, url: str) -> list[str]:
     return lines
 
 
+def frames(url: str, namespace: str | None) -> Iterator[list[str]]:
+    """Each look's lines, one look per item. Once one was shown, a look that finds Redis
+    unavailable shows that one again under the line that says why: an operator watches
+    through an outage, which is when top is wanted, instead of being thrown out of it. The
+    first look raises (a wrong URL ends top at once)."""
+    where = display_url(url)
+    before = shown = None
+    while True:
+        try:
+            now = snapshot(url, namespace)
+        except StoreUnavailableError as exc:
+            if shown is None:
+                raise
+            yield render(shown, before, where) + [
+                f"UNAVAILABLE {time.strftime('%H:%M:%S')}  {exc}; shown: the last look"]
+            continue
+        before, shown = shown, now
+        yield render(shown, before, where)
+
+
 def run(url: str, namespace: str | None, interval: float) -> int:
     """Redraw every ``interval`` seconds; `q` or Ctrl-C ends it with the terminal restored.
     Where stdout is no terminal (a pipe, a file, `kubectl exec` without `-t`), each
     snapshot is printed as plain lines instead, a blank line between, until Ctrl-C."""
     if not sys.stdout.isatty():
         with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-            before = None
-            while True:
-                now = snapshot(url, namespace)
-                print("\n".join(render(now, before, url)), end="\n\n", flush=True)
-                before = now
+            for lines in frames(url, namespace):
+                print("\n".join(lines), end="\n\n", flush=True)
                 time.sleep(interval)
         return 0
 
     def loop(screen) -> None:
         curses.curs_set(0)
         screen.timeout(100)  # poll the keyboard every 0.1 s between redraws
-        before = None
-        while True:
-            now = snapshot(url, namespace)
+        for lines in frames(url, namespace):
             screen.erase()
             height, width = screen.getmaxyx()
-            lines = render(now, before, url) + ["", f"every {interval:g} s; q quits"]
+            lines += ["", f"every {interval:g} s; q quits"]
             for row, line in enumerate(lines[: height - 1]):
                 screen.addnstr(row, 0, line, width - 1)
             screen.refresh()
-            before = now
             waited = 0.0
             while waited < interval:
                 if screen.getch() in (ord("q"), ord("Q")):

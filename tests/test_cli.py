@@ -66,6 +66,20 @@ def test_block_decodes_one_stored_block(redis_url, namespace, tmp_path):
     assert missing.returncode == 1 and "no block nope" in missing.stdout
 
 
+def test_demo_reports_its_store_without_the_password():
+    from r3cache.testing import RedisServer
+
+    with RedisServer() as server:
+        server.client().config_set("requirepass", "s3cret-pw")
+        for url in (f"redis://:s3cret-pw@127.0.0.1:{server.port}/0",
+                    f"redis://127.0.0.1:{server.port}/0?password=s3cret-pw"):
+            result = cli("demo", "--store", url, "--namespace", "demo-secret", "--prompts",
+                         "1", "--samples", "2", "--layers", "2")
+            assert result.returncode == 0, result.stderr
+            assert f"store=redis://127.0.0.1:{server.port}/0  " in result.stdout
+            assert "s3cret" not in result.stdout + result.stderr
+
+
 def test_demo_runs_against_redis(redis_url, namespace):
     result = subprocess.run(
         [sys.executable, "-m", "r3cache.cli", "demo", "--store", redis_url, "--namespace",

@@ -108,6 +108,29 @@ def test_top_warns_of_an_eviction_policy_that_can_drop_held_blocks_and_ends_on_c
         assert "Traceback" not in term.screen()
 
 
+@needs_tmux
+def test_top_watches_through_a_redis_outage_and_goes_on_when_it_answers(terminals, tmp_path):
+    """Redis stalls while top watches: top keeps the last look on screen under a line that
+    says Redis is unavailable, draws fresh looks once it answers again, and q ends it."""
+    with RedisServer() as server:
+        open_store(server.url, layout=RoutingLayout(4, 2, 16, 4), namespace="watched").close()
+        url = f"'{server.url}?retries=0&socket_timeout=0.3&socket_connect_timeout=0.3'"
+        term = terminals(_top(url, "--namespace", "watched"), tmp_path / "status")
+        term.wait_for("watched  layout r3l1:L4:K2:E16:B4:|u1", "rates")
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            term.wait_for("UNAVAILABLE", "Redis unavailable", "watched  layout")
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while "UNAVAILABLE" in (screen := term.screen()):
+            assert time.monotonic() < deadline, f"never came back:\n{screen}"
+            time.sleep(0.2)
+        assert "watched  layout" in screen and "rates" in screen
+        term.keys("q")
+        assert term.exit_status() == 0
+
+
 def _ctrl_c_as_in_a_shell() -> None:
     """SIGINT at its default in the child, as a shell's foreground command has it: a
     suite started in the background (`cmd &`) ignores SIGINT, its children inherit that,
@@ -133,3 +156,22 @@ def test_top_prints_plain_snapshots_where_stdout_is_no_terminal_and_ends_on_ctrl
     assert len(frames) >= 2, out
     assert "piped  layout r3l1:L4:K2:E16:B4:|u1" in frames[0] and "rates" in frames[1]
     assert "\x1b" not in out and "Traceback" not in err
+
+
+def test_top_never_shows_a_password_of_its_url():
+    """The header names the server, not its credentials: plain snapshots go to logs."""
+    with RedisServer() as server:
+        server.client().config_set("requirepass", "s3cret-pw")
+        for url in (f"redis://default:s3cret-pw@127.0.0.1:{server.port}/0",
+                    f"redis://127.0.0.1:{server.port}/0?password=s3cret-pw&retries=1"):
+            top = subprocess.Popen([sys.executable, "-m", "r3cache.cli", "top", url],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                   preexec_fn=_ctrl_c_as_in_a_shell)
+            time.sleep(2)
+            top.send_signal(signal.SIGINT)
+            out, err = top.communicate(timeout=30)
+            assert top.returncode == 0, err
+            assert f"r3cache top  redis://127.0.0.1:{server.port}/0" in out
+            assert "s3cret" not in out + err
