@@ -391,6 +391,37 @@ def test_unix_socket_urls(tmp_path, namespace):
         s.close()
 
 
+def test_an_engine_url_on_a_unix_socket_keeps_its_form(tmp_path, namespace):
+    """R3CACHE_URL=unix:///...?store_wait=1: the plugins take their options out of the
+    query and open the rest; that rest was written unix:/path, which redis-py refuses, so
+    no engine could start on a unix socket."""
+    from r3cache.integrations import engine
+
+    sock = tmp_path / "redis.sock"
+    with RedisServer("--unixsocket", str(sock), "--unixsocketperm", "700"):
+        url, options = engine.split_url(f"unix://{sock}?store_wait=1&idle_ttl=9",
+                                        {"store_wait": float})
+        assert (url, options) == (f"unix://{sock}?idle_ttl=9", {"store_wait": 1.0})
+        store = open_store(url, layout=LAYOUT, namespace=namespace)
+        store.put({"k": blk(3)})
+        np.testing.assert_array_equal(store.get_concatenated(["k"]), blk(3))
+        store.close()
+    assert engine.split_url("memory://?writer=thread", {"writer": str}) == (
+        "memory://", {"writer": "thread"})
+
+
+@pytest.mark.parametrize("url", ["unix:/run/redis.sock", "redis:/127.0.0.1:6379",
+                                 "redis+cluster:/127.0.0.1:7000", "redis://127.0.0.1:6379/1O",
+                                 "redis://127.0.0.1:6379/db0"])
+def test_a_store_url_redis_py_would_refuse_or_misread_is_a_contract_error(url, namespace):
+    """A URL without its // (redis-py raises a bare ValueError; a cluster's would name
+    127.0.0.1), or a database path that is no number (redis-py would use database 0):
+    ContractError before anything is written."""
+    with pytest.raises(ContractError, match="starts .*://|database number"):
+        open_store(url, layout=LAYOUT, namespace=namespace)
+    assert not redis.Redis().exists(f"r3:{namespace}:meta")
+
+
 def _make_tls_files(directory) -> dict[str, str]:
     files = {name: str(directory / name) for name in ("ca.key", "ca.crt", "server.key",
                                                       "server.csr", "server.crt")}

@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit
 
 import xxhash
 
@@ -34,7 +34,9 @@ def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str,
                 raise ContractError(f"R3CACHE_URL option {key} has an invalid value "
                                     f"{value!r}") from None
     rest = urlencode([(k, v) for k, v in query if k not in known])
-    return urlunsplit(parts._replace(query=rest)), options
+    # The URL before its query as given: urlunsplit would write unix:///run/redis.sock as
+    # unix:/run/redis.sock, which redis-py cannot parse.
+    return url.partition("?")[0] + ("?" + rest if rest else ""), options
 
 
 def embedded(url: str) -> bool:

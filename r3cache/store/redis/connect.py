@@ -113,9 +113,17 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
     if parts.scheme not in REDIS_SCHEMES:
         raise ContractError(f"unsupported Redis URL scheme {parts.scheme!r}; use one of "
                             + ", ".join(f"{s}://" for s in REDIS_SCHEMES))
+    if url[: len(parts.scheme) + 3].lower() != f"{parts.scheme}://":
+        # "redis+cluster:/h:7000" would name no host, and 127.0.0.1 would be asked.
+        raise ContractError(f"a store URL starts {parts.scheme}://, as in redis://host:port/db "
+                            "or unix:///path/to/redis.sock")
     if parts.scheme != "unix":
         for host in parts.netloc.rpartition("@")[2].split(","):
             _host_port(host)
+        if not parts.path.strip("/").isdigit() and parts.path.strip("/"):
+            # redis-py would ignore "/1O" and use database 0.
+            raise ContractError("the path of a store URL is a database number "
+                                "(redis://host:port/0)")
     if "#" in url:
         # redis-py drops it: "?password=se#cret" would send the password "se".
         raise ContractError("the store URL has a '#': percent-encode it (%23) in a password "
@@ -135,7 +143,11 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
         # One try per connection and command, as redis-py gives a cluster's node clients:
         # r3cache's rounds (nodes.execute, nodes.retried) retry `retries` times. Retried in
         # both layers, a stalled server would hold each call (retries + 1)² timeouts.
-        client = redis.Redis.from_url(plain, retry=Retry(NoBackoff(), 0), **client_options)
+        try:
+            client = redis.Redis.from_url(plain, retry=Retry(NoBackoff(), 0),
+                                          **client_options)
+        except ValueError:  # "redis://host/abc": a database that is no number
+            raise ContractError(f"redis-py cannot parse the store URL {display}") from None
         return SingleNode(client), store_options, display
     backoff = ExponentialBackoff(cap=1.0, base=0.05)
     try:
