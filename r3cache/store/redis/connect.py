@@ -120,8 +120,8 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
     if parts.scheme != "unix":
         for host in parts.netloc.rpartition("@")[2].split(","):
             _host_port(host)
-        if not parts.path.strip("/").isdigit() and parts.path.strip("/"):
-            # redis-py would ignore "/1O" and use database 0.
+        database = parts.path.strip("/")
+        if database and not database.isdigit():  # redis-py would take "/1O" as database 0
             raise ContractError("the path of a store URL is a database number "
                                 "(redis://host:port/0)")
     if "#" in url:
@@ -146,7 +146,7 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
         try:
             client = redis.Redis.from_url(plain, retry=Retry(NoBackoff(), 0),
                                           **client_options)
-        except ValueError:  # "redis://host/abc": a database that is no number
+        except ValueError:  # whatever else redis-py's URL parser refuses, typed here
             raise ContractError(f"redis-py cannot parse the store URL {display}") from None
         return SingleNode(client), store_options, display
     backoff = ExponentialBackoff(cap=1.0, base=0.05)
