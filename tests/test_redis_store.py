@@ -394,7 +394,7 @@ def test_unix_socket_urls(tmp_path, namespace):
 def test_an_engine_url_on_a_unix_socket_keeps_its_form(tmp_path, namespace):
     """R3CACHE_URL=unix:///...?store_wait=1: the plugins take their options out of the
     query and open the rest; that rest was written unix:/path, which redis-py refuses, so
-    no engine could start on a unix socket."""
+    no engine could start on a unix socket. A store's repr names the URL in its form too."""
     from r3cache.integrations import engine
 
     sock = tmp_path / "redis.sock"
@@ -405,6 +405,7 @@ def test_an_engine_url_on_a_unix_socket_keeps_its_form(tmp_path, namespace):
         store = open_store(url, layout=LAYOUT, namespace=namespace)
         store.put({"k": blk(3)})
         np.testing.assert_array_equal(store.get_concatenated(["k"]), blk(3))
+        assert f"url='unix://{sock}'" in repr(store)  # as given, without its options
         store.close()
     assert engine.split_url("memory://?writer=thread", {"writer": str}) == (
         "memory://", {"writer": "thread"})

@@ -11,25 +11,16 @@ from r3cache.layout import RoutingLayout
 from r3cache.store.base import BlockStore, StoreStats
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.redis.keys import REDIS_SCHEMES
+from r3cache.store.urls import display_url
 from r3cache.store.writers.background import BackgroundBlockStore
 
-__all__ = ["BackgroundBlockStore", "BlockStore", "MemoryBlockStore", "StoreStats", "open_store"]
+__all__ = [
+    "BackgroundBlockStore", "BlockStore", "MemoryBlockStore", "StoreStats", "display_url",
+    "open_store",
+]
 
 _INT_OPTIONS = {"max_bytes"}
 _MEMORY_OPTIONS = {"max_bytes", "hash_algo"}
-
-
-def display_url(url: str) -> str:
-    """``url`` as a screen or a report shows it: without its user info and the query
-    options that name a password (``password``, ``ssl_password``), which hold secrets;
-    the rest as given."""
-    head, _, query = url.partition("?")
-    scheme, slashes, rest = head.partition("://")
-    if slashes:
-        netloc, slash, path = rest.partition("/")
-        head = f"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}"
-    kept = [o for o in query.split("&") if o and "password" not in o.partition("=")[0].lower()]
-    return head + ("?" + "&".join(kept) if kept else "")
 
 
 def open_store(

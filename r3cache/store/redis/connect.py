@@ -6,7 +6,7 @@ import math
 import operator
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -21,6 +21,7 @@ from r3cache.store.redis.errors import ACCESS_REFUSED, redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, check_name
 from r3cache.store.redis.nodes import ClusterNodes, SingleNode, command, retryable
 from r3cache.store.redis.store import RedisBlockStore, RedisOptions, missing_namespace
+from r3cache.store.urls import display_url
 
 
 def _flag(value: Any) -> bool:
@@ -99,12 +100,6 @@ def _host_port(host: str) -> tuple[str, int]:
     return name or "127.0.0.1", int(port or 6379)
 
 
-def _display(parts) -> str:
-    """The URL without credentials, for repr and errors."""
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
 def connect(url: str, namespace: str | None, options: dict[str, Any]):
     """Clients for ``url``: (nodes, r3cache's options, the URL without credentials)."""
     if not isinstance(url, str):
@@ -137,7 +132,7 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
                                                    tls=parts.scheme.startswith("rediss"))
     client_options.setdefault("socket_timeout", 10.0)
     client_options.setdefault("socket_connect_timeout", 5.0)
-    display = _display(parts)
+    display = display_url(url).partition("?")[0]  # for repr and errors: no options
     if not parts.scheme.endswith("+cluster"):
         plain = url.split("?", 1)[0]
         # One try per connection and command, as redis-py gives a cluster's node clients:
