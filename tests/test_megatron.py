@@ -159,6 +159,55 @@ def test_mismatches_are_refused_before_any_target_is_set(groups, redis_url, name
              "fusion")
 
 
+MALFORMED = {  # argument -> what the ReplayError names
+    "no sequences": (dict(routes=[]), "at least one"),
+    "routes None": (dict(routes=None), "at least one"),
+    "a sequence of another layout": (dict(layers_of_second=4), "hold 4 layers"),
+    "names as one str": (dict(batch=ReplayBatch(seq_len=16, names="ab")), "not a str"),
+    "tp_size a float": (dict(tp_size=2.0), "tp_size must be an int"),
+    "tp_rank a float": (dict(tp_size=2, tp_rank=1.0), "tp_rank must be an int"),
+    "cp_size a float": (dict(cp_size=2.0), "cp_size must be an int"),
+    "cp_rank a float": (dict(cp_size=2, cp_rank=1.0), "cp_rank must be an int"),
+    "tp_size a str": (dict(tp_size="2"), "tp_size must be an int"),
+    "tp_rank past tp_size": (dict(tp_size=2, tp_rank=2), "tensor-parallel rank 2"),
+    "cu_seqlens past int64": (dict(batch=ReplayBatch(cu_seqlens=np.array(
+        [0, 12, 2**63], np.uint64))), "past 2147483647"),
+    "no routers": (dict(routers=[]), "no routers"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_replay_arguments_are_replay_errors_before_any_target_is_set(groups, case):
+    """Arguments of the wrong kind are refused by name, not with numpy's ValueError or
+    TypeError from deep inside (a float rank or size sliced the token axis, a uint64 offset
+    wrapped, sequences of two layouts failed to concatenate)."""
+    stack = Stack(groups)
+    change, match = MALFORMED[case]
+    routes = _random_routes(5, 3, (9, 14))
+    if "layers_of_second" in change:
+        routes[1] = _random_routes(6, change["layers_of_second"], (14,))[0]
+    args = {"routes": routes, "batch": ReplayBatch(seq_len=16),
+            **{k: v for k, v in change.items() if k != "layers_of_second"}}
+    routers = args.pop("routers", stack.routers)
+    with pytest.raises(ReplayError, match=match):
+        replay_targets(routers, **args)
+    if routers is stack.routers:  # the context manager refuses them the same way
+        with pytest.raises(ReplayError, match=match), router_replay(stack, **args):
+            pass
+    assert all(r.router_replay.target_topk_idx is None for r in stack.routers)
+
+
+def test_batches_for_replay_are_refused_before_any_read_when_malformed(groups):
+    stack = Stack(groups)
+    reader = None  # never reached: the arguments are checked first
+    with pytest.raises(ReplayError, match="tp_size must be >= 1"):
+        next(iter_replay_targets(reader, [["a"]], stack.routers, tp_size=0))
+    with pytest.raises(ReplayError, match="batches are a sequence of batches"):
+        next(iter_replay_targets(reader, "ab", stack.routers))
+    with pytest.raises(ReplayError, match="batches are a sequence of batches"):
+        next(iter_replay_targets(reader, ["a", "b"], stack.routers))
+
+
 def test_the_readme_training_snippets_run_as_written(groups, redis_url, namespace):
     request_ids, routes = _recorded(redis_url, namespace, [9, 14, 6])
     seq_len = 16

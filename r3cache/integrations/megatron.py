@@ -28,6 +28,7 @@ before any target is set.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ import numpy as np
 from r3cache.checks import count, id_range_problem
 from r3cache.errors import ReplayError
 from r3cache.layout import repeats_by_columns
+
+_MAX_PACKED_TOKENS = 2**31 - 1  # cu_seqlens are int32 offsets in packed attention
 
 
 @dataclass
@@ -76,30 +79,39 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
     """Each router's target indices ``[local_tokens, topk]`` (int64), in ``routers`` order."""
     if layers not in ("all", "moe"):
         raise ReplayError(f"layers must be 'all' or 'moe', not {layers!r}")
+    tp_rank, tp_size, cp_rank, cp_size = _parallel_share(tp_rank, tp_size, cp_rank, cp_size)
+    if isinstance(routes, (str, bytes)) or not isinstance(routes, Sequence) or not routes:
+        raise ReplayError(f"routes are one array per sequence, at least one; not "
+                          f"{routes!r:.40}")
+    if isinstance(batch.names, str):  # one name, not a sequence of its letters
+        raise ReplayError("ReplayBatch.names is a sequence of names, not a str")
     names = list(batch.names) if batch.names is not None else [f"#{i}" for i in range(len(routes))]
     if len(names) != len(routes):
         raise ReplayError(f"{len(names)} names for {len(routes)} sequences")
+    if not routers:
+        raise ReplayError("no routers to replay into")
     topk = {int(r.topk) for r in routers}
     if len(topk) != 1:
         raise ReplayError(f"routers disagree on top-k: {sorted(topk)}")
     (k,) = topk
     experts = {int(r.config.num_moe_experts) for r in routers}
     columns = _columns(routers, layers)
+    routes = [np.asarray(rows) for rows in routes]
     for name, rows in zip(names, routes):
-        rows = np.asarray(rows)
         if rows.ndim != 3 or rows.shape[2] != k:
             raise ReplayError(f"routes of {name!r} have shape {rows.shape}, expected "
                               f"(tokens, layers, {k})")
+        if rows.shape[1] != routes[0].shape[1]:  # one layout: the routes of one namespace
+            raise ReplayError(f"routes of {name!r} hold {rows.shape[1]} layers, those of "
+                              f"{names[0]!r} {routes[0].shape[1]}")
         if columns and max(columns) >= rows.shape[1]:
             raise ReplayError(f"routes of {name!r} hold {rows.shape[1]} layers; the model's "
                               f"routers need layer {max(columns)} ({layers!r} layers)")
         _check_ids(name, rows, min(experts))
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ReplayError(f"context-parallel rank {cp_rank} of cp_size={cp_size}")
     # (tokens, sequence index, position) sources
     grid = _token_grid(routes, batch, names, cp_rank, cp_size)
     tokens = len(grid[0])
-    if tp_size < 1 or not 0 <= tp_rank < tp_size or tokens % tp_size:
+    if tokens % tp_size:
         raise ReplayError(f"{tokens} tokens cannot be split over tp_size={tp_size} "
                           f"(rank {tp_rank})")
     share = slice(tp_rank * tokens // tp_size, (tp_rank + 1) * tokens // tp_size)
@@ -107,7 +119,7 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
     covered = seq_of >= 0
     # One gather of every covered token's row, in the stored dtype, then one widening copy
     # into the routers' int64 targets; the filler goes only where no row is recorded.
-    flat = np.concatenate([np.asarray(r) for r in routes])
+    flat = np.concatenate(routes)
     starts = np.concatenate(([0], np.cumsum([len(r) for r in routes])[:-1]))
     picked = flat[starts[seq_of[covered]] + pos_of[covered]]
     if columns != list(range(flat.shape[1])):
@@ -128,7 +140,10 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
     next batch is read from the store while this one is converted."""
     from concurrent.futures import ThreadPoolExecutor
 
-    batches = list(batches)
+    tp_rank, tp_size, cp_rank, cp_size = _parallel_share(tp_rank, tp_size, cp_rank, cp_size)
+    batches = [batches] if isinstance(batches, str) else list(batches)
+    if any(isinstance(names, str) for names in batches):
+        raise ReplayError("batches are a sequence of batches, each a sequence of request ids")
     empty = [i for i, names in enumerate(batches) if not len(names)]
     if empty:  # checked before any read: a padded batch needs one sequence at least
         raise ReplayError(f"batch {empty[0]} holds no request ids")
@@ -147,6 +162,21 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
             yield routes, replay_targets(routers, routes, batch, layers=layers,
                                          tp_rank=tp_rank, tp_size=tp_size, cp_rank=cp_rank,
                                          cp_size=cp_size)
+
+
+def _parallel_share(tp_rank: Any, tp_size: Any, cp_rank: Any, cp_size: Any
+                    ) -> tuple[int, int, int, int]:
+    """The tensor- and context-parallel ranks and sizes as ints, each rank below its size:
+    a float would slice the token axis wrongly, or fail inside numpy."""
+    tp_size, cp_size = (count(v, n, 1, ReplayError) for v, n in ((tp_size, "tp_size"),
+                                                                  (cp_size, "cp_size")))
+    tp_rank, cp_rank = (count(v, n, 0, ReplayError) for v, n in ((tp_rank, "tp_rank"),
+                                                                  (cp_rank, "cp_rank")))
+    if tp_rank >= tp_size:
+        raise ReplayError(f"tensor-parallel rank {tp_rank} of tp_size={tp_size}")
+    if cp_rank >= cp_size:
+        raise ReplayError(f"context-parallel rank {cp_rank} of cp_size={cp_size}")
+    return tp_rank, tp_size, cp_rank, cp_size
 
 
 def _check_ids(name: str, rows: np.ndarray, num_experts: int) -> None:
@@ -230,10 +260,15 @@ def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[st
         if offsets.ndim != 1 or (offsets.size and offsets.dtype.kind not in "iu"):
             raise ReplayError(f"cu_seqlens must be a flat sequence of ints, not "
                               f"{batch.cu_seqlens!r:.80}")
-        offsets = offsets.astype(np.int64)
-        if len(offsets) != n + 1 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        # Compared as Python ints: a uint64 past int64 would wrap, and its spans with it.
+        given = offsets.tolist()
+        if len(given) != n + 1 or given[0] != 0 or any(map(operator.gt, given, given[1:])):
             raise ReplayError(f"cu_seqlens must be {n + 1} non-decreasing offsets from 0, "
-                              f"got {list(offsets)}")
+                              f"got {given!r:.80}")
+        if given[-1] > _MAX_PACKED_TOKENS:  # a typo, refused before its grid is allocated
+            raise ReplayError(f"cu_seqlens ends at {given[-1]} tokens, past "
+                              f"{_MAX_PACKED_TOKENS} (int32 offsets)")
+        offsets = offsets.astype(np.int64)
         spans = np.diff(offsets)
         for name, length, span in zip(names, lengths, spans):
             if length > span - 1:
