@@ -22,6 +22,9 @@ import weakref
 from collections import defaultdict, deque
 from typing import Any
 
+from r3cache.checks import is_int, seconds
+from r3cache.errors import ContractError
+
 # Where each engine counter comes from, and its help text.
 ENGINE_COUNTERS = {
     "steps": ("r3cache_engine_steps", "engine steps the connector processed"),
@@ -333,6 +336,9 @@ def register(registry: Any = None) -> Any:
     """Add r3cache's collector to ``registry`` (default: prometheus_client's), once."""
     if registry is None:
         from prometheus_client import REGISTRY as registry
+    if not callable(getattr(registry, "register", None)):
+        raise ContractError(f"registry must be a prometheus_client CollectorRegistry, not "
+                            f"{registry!r:.60}")
     if registry not in _REGISTERED:
         _REGISTERED[registry] = collector()
         registry.register(_REGISTERED[registry])
@@ -353,6 +359,10 @@ def export(directory: str, interval: float = 1.0) -> threading.Thread:
 
     from prometheus_client import CollectorRegistry, generate_latest
 
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ContractError(f"directory must be a path, not {directory!r:.60}")
+    if not seconds(interval, "interval"):  # a wait of 0 would write without a pause
+        raise ContractError("interval must be a number of seconds > 0, not 0")
     registry = CollectorRegistry()
     registry.register(collector())
     path = os.path.join(directory, f"r3cache-{os.getpid()}.prom")
@@ -377,7 +387,11 @@ def export(directory: str, interval: float = 1.0) -> threading.Thread:
         with contextlib.suppress(OSError):
             write()
 
-    write()
+    try:
+        write()
+    except OSError as exc:  # no such directory, or not this user's
+        raise ContractError(f"cannot write metrics to {directory!r}: "
+                            f"{exc.strerror or exc}") from None
     atexit.register(last_write)
     thread = threading.Thread(target=run, name="r3cache-metrics-export", daemon=True)
     thread.start()
@@ -422,5 +436,12 @@ def serve(port: int, addr: str = "0.0.0.0", registry: Any = None) -> Any:
     """Serve ``/metrics`` on ``addr:port`` from a daemon thread; returns the server."""
     from prometheus_client import start_http_server
 
-    server, _ = start_http_server(port, addr=addr, registry=register(registry))
+    if not is_int(port) or not 0 <= port < 65536:
+        raise ContractError(f"port must be a TCP port (0: any free one), not {port!r:.40}")
+    registry = register(registry)
+    try:
+        server, _ = start_http_server(int(port), addr=addr, registry=registry)
+    except OSError as exc:  # taken, not permitted, or an address this host does not have
+        raise ContractError(f"port {port} of {addr} cannot serve metrics "
+                            f"({exc.strerror or exc})") from None
     return server

@@ -362,3 +362,36 @@ def test_the_plugins_serve_metrics_on_the_port_plus_their_rank_and_stop_on_a_tak
             engine.serve_metrics(rank)
     monkeypatch.delenv("R3CACHE_METRICS_PORT")
     assert engine.serve_metrics(rank=3) is None
+
+
+def test_serving_and_exporting_metrics_refuse_bad_arguments_by_name(tmp_path):
+    """`metrics.serve`, `register` and `export` are public: a taken port, a port that is
+    no port, something that is no registry, a directory that is not there and an interval
+    of 0 (a write loop without a pause) are one ContractError each, not prometheus_client's
+    or the socket's gaierror, OverflowError, TypeError or OSError."""
+    from r3cache.errors import ContractError
+
+    taken = free_port()
+    server = metrics.serve(taken, "127.0.0.1", registry=CollectorRegistry())
+    try:
+        with pytest.raises(ContractError, match=f"port {taken} of 127.0.0.1 cannot serve "
+                                                "metrics .Address already in use"):
+            metrics.serve(taken, "127.0.0.1", registry=CollectorRegistry())
+    finally:
+        server.shutdown()
+        server.server_close()
+    for port in ("9400", -1, 65536, True, 9400.0):
+        with pytest.raises(ContractError, match="port must be a TCP port"):
+            metrics.serve(port, "127.0.0.1", registry=CollectorRegistry())
+    with pytest.raises(ContractError, match="no.such.host.invalid cannot serve metrics"):
+        metrics.serve(0, "no.such.host.invalid", registry=CollectorRegistry())
+    with pytest.raises(ContractError, match="registry must be a prometheus_client"):
+        metrics.register("default")
+    with pytest.raises(ContractError, match="cannot write metrics to .*No such file"):
+        metrics.export(str(tmp_path / "gone"))
+    with pytest.raises(ContractError, match="directory must be a path"):
+        metrics.export(None)
+    for interval in (0, -1, float("nan")):
+        with pytest.raises(ContractError, match="interval must be"):
+            metrics.export(str(tmp_path), interval)
+    assert not list(tmp_path.iterdir())  # refused before anything was written

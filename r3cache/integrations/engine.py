@@ -89,9 +89,8 @@ def serve_metrics(rank: int = 0) -> Any:
 
     try:
         return metrics.serve(port)
-    except OSError as exc:
-        raise IntegrationError(f"R3CACHE_METRICS_PORT: port {port} cannot be served "
-                               f"({exc.strerror or exc})") from None
+    except ContractError as exc:  # the port is taken, or not this user's to serve on
+        raise IntegrationError(f"R3CACHE_METRICS_PORT: {exc}") from None
 
 
 def default_namespace(served_name: str | None, model: str, revision: str | None) -> str:
