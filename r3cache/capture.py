@@ -51,8 +51,14 @@ class RoutedExpertsCapturer:
         layers: str = "moe",
         device: str | torch.device = "cpu",
     ) -> None:
+        if not isinstance(layout, RoutingLayout):
+            raise CaptureError(f"layout must be a RoutingLayout, not {layout!r:.40}")
         if layers not in LAYER_CHOICES:
             raise CaptureError(f"layers must be one of {LAYER_CHOICES}, not {layers!r}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise CaptureError(f"device {device!r:.40} is no torch device ({exc})") from None
         try:
             moe = sorted({operator.index(i) for i in moe_layers})
         except TypeError:
@@ -62,6 +68,7 @@ class RoutedExpertsCapturer:
             raise CaptureError(f"moe_layers must be non-negative layer indices, got {moe_layers!r}")
         if num_model_layers is None:
             num_model_layers = moe[-1] + 1
+        num_model_layers = count(num_model_layers, "num_model_layers", 1, CaptureError)
         if moe[-1] >= num_model_layers:
             raise CaptureError(f"MoE layer {moe[-1]} >= num_model_layers {num_model_layers}")
         max_num_batched_tokens = count(max_num_batched_tokens, "max_num_batched_tokens", 1,
@@ -88,7 +95,10 @@ class RoutedExpertsCapturer:
 
     def column(self, layer_id: int) -> int:
         """The buffer column of MoE layer ``layer_id``; CaptureError for any other layer."""
-        column = self._column.get(layer_id)
+        try:
+            column = self._column.get(layer_id)
+        except TypeError:  # unhashable: no layer index either
+            column = None
         if column is None:
             raise CaptureError(
                 f"layer {layer_id!r} is not a MoE layer of this capturer "
@@ -101,6 +111,9 @@ class RoutedExpertsCapturer:
         column = self.column(layer_id)
         if not self._enabled:
             return
+        if not isinstance(topk_ids, torch.Tensor):
+            raise CaptureError(f"layer {layer_id}: topk_ids must be a torch.Tensor, not "
+                               f"{type(topk_ids).__name__}")
         if topk_ids.dim() != 2 or topk_ids.shape[1] != self.layout.topk:
             raise CaptureError(
                 f"layer {layer_id}: topk_ids have shape {tuple(topk_ids.shape)}, expected "
@@ -121,7 +134,8 @@ class RoutedExpertsCapturer:
 
     def snapshot(self, num_rows: int) -> torch.Tensor:
         """A copy of the first ``num_rows`` rows, so the next forward may overwrite the buffer."""
-        if not 0 <= num_rows <= self.max_num_batched_tokens:
+        num_rows = count(num_rows, "num_rows", 0, CaptureError)
+        if num_rows > self.max_num_batched_tokens:
             raise CaptureError(
                 f"cannot snapshot {num_rows} rows of a {self.max_num_batched_tokens}-row buffer"
             )
@@ -131,7 +145,8 @@ class RoutedExpertsCapturer:
     def at(self, row_offset: int) -> Iterator[None]:
         """Forwards inside write from ``row_offset`` on: an eager runner that splits one step
         into several forwards (one per request, say) places each at its batch rows."""
-        if not 0 <= row_offset < self.max_num_batched_tokens:
+        row_offset = count(row_offset, "row_offset", 0, CaptureError)
+        if row_offset >= self.max_num_batched_tokens:
             raise CaptureError(f"row offset {row_offset} is outside the buffer")
         previous, self._offset = self._offset, row_offset
         try:
@@ -191,8 +206,7 @@ class HostCopyRing:
 
     def __init__(self, capturer: RoutedExpertsCapturer, depth: int, *,
                  timing: bool = False) -> None:
-        if depth < 1:
-            raise CaptureError("a host copy ring needs depth >= 1")
+        depth = count(depth, "the host copy ring's depth", 1, CaptureError)
         device = capturer.device
         self._cuda = device.type == "cuda"
         shape, dtype = capturer.buffer.shape, capturer.buffer.dtype

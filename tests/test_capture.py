@@ -129,6 +129,33 @@ def test_contract_errors_are_typed():
         bind(tiny_model("olmoe-tiny", num_layers=2), other)
 
 
+
+def test_arguments_of_the_wrong_kind_are_capture_errors():
+    """Not TypeError or AttributeError from torch: a float count sliced nothing, a numpy
+    array has no dim(), an unhashable layer broke the column lookup."""
+    layout = RoutingLayout(num_layers=2, topk=2, num_experts=8)
+    capturer = RoutedExpertsCapturer(layout, 8, moe_layers=[1, 3])
+    ids = torch.zeros(2, 2, dtype=torch.long)
+    for call, match in [
+        (lambda: capturer.snapshot(1.5), "num_rows must be an int"),
+        (lambda: capturer.snapshot("3"), "num_rows must be an int"),
+        (lambda: capturer.at(1.5).__enter__(), "row_offset must be an int"),
+        (lambda: capturer.host_ring("2"), "depth must be an int"),
+        (lambda: capturer.host_ring(2.5), "depth must be an int"),
+        (lambda: capturer.host_ring(0), "depth must be >= 1"),
+        (lambda: capturer.capture(1, ids.numpy()), "must be a torch.Tensor, not ndarray"),
+        (lambda: capturer.capture([1], ids), "not a MoE layer"),
+        (lambda: RoutedExpertsCapturer(None, 8, moe_layers=[1, 3]), "must be a RoutingLayout"),
+        (lambda: RoutedExpertsCapturer(layout, 8, moe_layers=[1, 3], num_model_layers=4.0),
+         "num_model_layers must be an int"),
+        (lambda: RoutedExpertsCapturer(layout, 8, moe_layers=[1, 3], device="tpu"),
+         "no torch device"),
+    ]:
+        with pytest.raises(CaptureError, match=match):
+            call()
+    np.testing.assert_array_equal(capturer.snapshot(np.int64(2)).numpy(),
+                                  [[[0, 1], [0, 1]]] * 2)  # a numpy int is an int
+
 def worker_with_capturer(capturer, depth):
     store = open_store("memory://", layout=capturer.layout, namespace="capture")
     return WorkerConnector(layout=capturer.layout, store=store, max_num_seqs=4,
