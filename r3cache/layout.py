@@ -97,6 +97,8 @@ class RoutingLayout:
         return layout
 
     def empty_rows(self, num_tokens: int = 0) -> np.ndarray:
+        if not is_int(num_tokens) or num_tokens < 0:
+            raise LayoutError(f"num_tokens must be an int >= 0, not {num_tokens!r:.40}")
         return np.empty((num_tokens, *self.row_shape), dtype=self.dtype)
 
     def check_rows(self, rows: np.ndarray, what: str = "rows") -> None:

@@ -47,6 +47,8 @@ class RouterSite:
 
 def find_routers(model: nn.Module) -> list[RouterSite]:
     """Every transformers-style router of ``model``, ordered by decoder layer."""
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"routers are found in a torch.nn.Module, not {model!r:.40}")
     sites = []
     for name, module in model.named_modules():
         if not _ROUTER_CLASS.search(type(module).__name__):
@@ -125,6 +127,12 @@ class Binding:
         self.remove()
 
 
+def _check_capturer(capturer: Any) -> None:
+    if not isinstance(capturer, RoutedExpertsCapturer):
+        raise CaptureError(f"routes are captured into a RoutedExpertsCapturer, not "
+                           f"{capturer!r:.40}")
+
+
 def bind_router(
     module: nn.Module,
     layer_id: int,
@@ -135,6 +143,9 @@ def bind_router(
 ) -> Binding:
     """Hook any module that chooses experts: after each forward, ``indices(output)`` (a
     ``(tokens, topk)`` tensor in the router's column order) is captured as ``layer_id``."""
+    if not isinstance(module, nn.Module):
+        raise CaptureError(f"a router to hook is a torch.nn.Module, not {module!r:.40}")
+    _check_capturer(capturer)
     capturer.column(layer_id)  # a wrong layer fails here, not inside the first forward
 
     def hook(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -147,6 +158,7 @@ def bind_router(
 
 def bind(model: nn.Module, capturer: RoutedExpertsCapturer) -> Binding:
     """Hook every router of ``model`` (see :func:`find_routers`) to ``capturer``."""
+    _check_capturer(capturer)
     sites = find_routers(model)
     found = tuple(s.layer_id for s in sites)
     if found != capturer.moe_layers:

@@ -132,7 +132,7 @@ def test_contract_errors_are_typed():
 
 def test_arguments_of_the_wrong_kind_are_capture_errors():
     """Not TypeError or AttributeError from torch: a float count sliced nothing, a numpy
-    array has no dim(), an unhashable layer broke the column lookup."""
+    array has no dim(), an unhashable layer broke the column lookup, None has no modules."""
     layout = RoutingLayout(num_layers=2, topk=2, num_experts=8)
     capturer = RoutedExpertsCapturer(layout, 8, moe_layers=[1, 3])
     ids = torch.zeros(2, 2, dtype=torch.long)
@@ -150,6 +150,10 @@ def test_arguments_of_the_wrong_kind_are_capture_errors():
          "num_model_layers must be an int"),
         (lambda: RoutedExpertsCapturer(layout, 8, moe_layers=[1, 3], device="tpu"),
          "no torch device"),
+        (lambda: find_routers(None), "found in a torch.nn.Module"),
+        (lambda: bind(tiny_model("mixtral-tiny", num_layers=2), None),
+         "captured into a RoutedExpertsCapturer"),
+        (lambda: bind_router("router", 1, capturer), "a router to hook is a torch.nn.Module"),
     ]:
         with pytest.raises(CaptureError, match=match):
             call()

@@ -54,6 +54,10 @@ def test_check_rows_rejects_wrong_shapes_and_dtypes():
                 np.zeros((3, 2), np.uint8), [[0, 1]]):
         with pytest.raises(LayoutMismatchError):
             layout.check_rows(bad)
+    assert layout.empty_rows(4).shape == (4, 3, 2)
+    for bad in (1.5, -1, "4"):
+        with pytest.raises(LayoutError, match="num_tokens must be an int"):
+            layout.empty_rows(bad)
 
 
 # Eight-byte rows (topk 8 of uint8, 4 of uint16, 2 of int32) take the compiled kernel;

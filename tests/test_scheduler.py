@@ -20,6 +20,9 @@ def test_new_requests_carry_their_emit_start_and_hashes_are_sent_once():
     assert s.build_step_metadata().is_empty()
     with pytest.raises(MetadataError, match="cannot shrink"):
         s.update_block_hashes("a", [b"h0"])
+    for bad in (None, "h0h1h2h3", b"h0h1h2h3"):  # no list: refused by name, not by len()
+        with pytest.raises(MetadataError, match="block hashes are a list"):
+            s.update_block_hashes("a", bad)
 
 
 def test_finishing_sends_unsent_hashes_with_the_teardown():

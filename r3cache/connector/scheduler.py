@@ -50,10 +50,11 @@ class SchedulerConnector:
     def update_block_hashes(self, req_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """The request's full list of block hashes so far; only the new suffix is sent."""
         state = self._state(req_id)
+        new = _checked_hashes(req_id, block_hashes, len(state.hashes))
         if len(block_hashes) < len(state.hashes):
             raise MetadataError(f"request {req_id!r}: block hashes cannot shrink")
-        if len(block_hashes) > len(state.hashes):
-            state.hashes.extend(_checked_hashes(req_id, block_hashes, len(state.hashes)))
+        if new:
+            state.hashes.extend(new)
             if state.registered:
                 self._hash_updates[req_id] = state
 
