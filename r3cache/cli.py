@@ -6,7 +6,7 @@ import argparse
 import re
 import sys
 import time
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import numpy as np
 
@@ -390,9 +390,12 @@ def _run_export(args: argparse.Namespace) -> int:
     from r3cache.reader import R3Reader
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     index, skipped = [], []
     with R3Reader(args.url, namespace=args.namespace) as reader:
+        # An empty read checks the dtype: a namespace that is not there, or a dtype that
+        # cannot hold its expert IDs, is refused before the directory is made.
+        reader.get_many([], dtype=args.dtype)
+        out.mkdir(parents=True, exist_ok=True)
         ids = _recorded(reader)
         with tqdm(total=len(ids), unit="req", desc="export", disable=None) as bar:
             for request_id, manifest, rows in _each_recorded(reader, ids, args.batch,
@@ -503,8 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _redacted(text: str, argv: list[str]) -> str:
     """``text`` with the password of any URL on the command line blotted out."""
     for arg in argv:
-        userinfo = urlsplit(arg).netloc.rpartition("@")[0] if "://" in arg else ""
-        password = userinfo.partition(":")[2]
+        # The netloc as urlsplit cuts it, without its checks: a URL it refuses (a bracket
+        # left open) is the very error being printed.
+        netloc = re.split("[/?#]", arg.partition("://")[2], maxsplit=1)[0]
+        password = netloc.rpartition("@")[0].partition(":")[2]
         for secret in {password, unquote(password)} - {""}:
             text = text.replace(secret, "***")
     return text

@@ -151,6 +151,19 @@ def test_export_writes_every_request_and_an_index(recorded, namespace, tmp_path)
         assert entry["num_tokens"] == 20 + 9 and list(rows.shape) == entry["shape"]
 
 
+def test_export_makes_no_directory_for_a_namespace_or_dtype_it_refuses(recorded, namespace,
+                                                                       tmp_path):
+    """Checked before the directory is made: no empty directory is left behind, and a dtype
+    that cannot hold the expert IDs is refused before any request is read."""
+    url, _ = recorded
+    for args in (["--namespace", "no-such-namespace"],
+                 ["--namespace", namespace, "--dtype", "bool"],
+                 ["--namespace", namespace, "--dtype", "float16"]):
+        result = cli("export", url, *args, "--out", str(tmp_path / "out"))
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+        assert not (tmp_path / "out").exists()
+
+
 def test_export_and_plot_skip_a_request_released_while_they_run(recorded, namespace,
                                                                  tmp_path):
     """A trainer reading beside them releases what it read: a manifest deleted while the

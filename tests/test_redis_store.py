@@ -413,14 +413,23 @@ def test_an_engine_url_on_a_unix_socket_keeps_its_form(tmp_path, namespace):
 
 @pytest.mark.parametrize("url", ["unix:/run/redis.sock", "redis:/127.0.0.1:6379",
                                  "redis+cluster:/127.0.0.1:7000", "redis://127.0.0.1:6379/1O",
-                                 "redis://127.0.0.1:6379/db0"])
+                                 "redis://127.0.0.1:6379/db0", "redis://[::1:6379",
+                                 "redis+cluster://127.0.0.1:7000,[zz]:7001",
+                                 "redis://127.0.0.1:6379?janitor=flase"])
 def test_a_store_url_redis_py_would_refuse_or_misread_is_a_contract_error(url, namespace):
     """A URL without its // (redis-py raises a bare ValueError; a cluster's would name
-    127.0.0.1), or a database path that is no number (redis-py would use database 0):
-    ContractError before anything is written."""
-    with pytest.raises(ContractError, match="starts .*://|database number"):
+    127.0.0.1), a database path that is no number (redis-py would use database 0), a host in
+    brackets that is no IPv6 address (urlsplit's bare ValueError), a flag misspelt (taken
+    for true): ContractError before anything is written, from the plugins' parse too."""
+    with pytest.raises(ContractError, match="starts .*://|database number|cannot be parsed|"
+                                            "janitor has an invalid value"):
         open_store(url, layout=LAYOUT, namespace=namespace)
     assert not redis.Redis().exists(f"r3:{namespace}:meta")
+    if "[" in url:
+        from r3cache.integrations import engine
+
+        with pytest.raises(ContractError, match="cannot be parsed"):
+            engine.split_url(url + "?store_wait=1", {"store_wait": float})
 
 
 def _make_tls_files(directory) -> dict[str, str]:

@@ -9,12 +9,13 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 import xxhash
 
 from r3cache.checks import url_options
 from r3cache.errors import ContractError, IntegrationError
+from r3cache.store.urls import url_parts
 
 
 def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str, dict[str, Any]]:
@@ -23,7 +24,7 @@ def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str,
     ``known`` maps each option the plugin takes to its type; the rest of the query is the
     store's.
     """
-    parts = urlsplit(url)
+    parts = url_parts(url)
     query = url_options(parts.query).items()
     options: dict[str, Any] = {}
     for key, value in query:
@@ -42,12 +43,12 @@ def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str,
 def embedded(url: str) -> bool:
     """Whether the store URL names the embedded store: inside the engine's process, where
     nothing else (a trainer, another replica) can read what it holds."""
-    return urlsplit(url).scheme == "memory"
+    return url_parts(url).scheme == "memory"
 
 
 def url_sets(url: str, option: str) -> bool:
     """Whether the store URL's query gives ``option``."""
-    return option in url_options(urlsplit(url).query)
+    return option in url_options(url_parts(url).query)
 
 
 def rank_owner(url: str, rank: int, ranks: int) -> dict[str, str]:
@@ -56,7 +57,7 @@ def rank_owner(url: str, rank: int, ranks: int) -> dict[str, str]:
     are several ranks. The ranks share one R3CACHE_URL, and two live stores cannot share a
     name (each would overwrite the other's hold counts); a rank restarted as that rank
     still takes back its crashed predecessor's name."""
-    owner = url_options(urlsplit(url).query).get("owner")
+    owner = url_options(url_parts(url).query).get("owner")
     return {"owner": f"{owner}-dp{rank}"} if owner and ranks > 1 else {}
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 from r3cache.checks import url_options
 from r3cache.errors import ContractError
@@ -11,7 +10,7 @@ from r3cache.layout import RoutingLayout
 from r3cache.store.base import BlockStore, StoreStats
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.redis.keys import REDIS_SCHEMES
-from r3cache.store.urls import display_url
+from r3cache.store.urls import display_url, url_parts
 from r3cache.store.writers.background import BackgroundBlockStore
 
 __all__ = [
@@ -40,7 +39,7 @@ def open_store(
         raise ContractError("namespace must be a non-empty string tied to the model weights")
     if not isinstance(url, str):
         raise ContractError(f"a store URL is a str, not {type(url).__name__}")
-    parts = urlsplit(url)
+    parts = url_parts(url)
     if parts.scheme == "memory":
         if layout is None:
             raise ContractError("memory:// needs a layout")

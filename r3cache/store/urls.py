@@ -1,6 +1,19 @@
-"""Store URLs as people see them: on screens, in reports, reprs and errors."""
+"""Store URLs: split with one typed error, and shown without their secrets."""
 
 from __future__ import annotations
+
+from urllib.parse import SplitResult, urlsplit
+
+from r3cache.errors import ContractError
+
+
+def url_parts(url: str) -> SplitResult:
+    """``url``'s parts, or a ContractError: urlsplit raises a bare ValueError for a host in
+    brackets that is no IPv6 address (``redis://[::1:6379``)."""
+    try:
+        return urlsplit(url)
+    except ValueError as exc:
+        raise ContractError(f"the store URL cannot be parsed: {exc}") from None
 
 
 def display_url(url: str) -> str:

@@ -6,7 +6,7 @@ import math
 import operator
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -21,11 +21,21 @@ from r3cache.store.redis.errors import ACCESS_REFUSED, redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, check_name
 from r3cache.store.redis.nodes import ClusterNodes, SingleNode, command, retryable
 from r3cache.store.redis.store import RedisBlockStore, RedisOptions, missing_namespace
-from r3cache.store.urls import display_url
+from r3cache.store.urls import display_url, url_parts
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
 
 
 def _flag(value: Any) -> bool:
-    return str(value).lower() not in ("0", "false", "no")
+    """A bool, or one spelled in a URL query: a typo (``lease=flase``) is refused, not
+    taken for true."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return _FLAGS[str(value).lower()]
+    except KeyError:
+        raise ValueError("not a flag") from None
 
 
 def _int(value: Any) -> int:
@@ -104,7 +114,7 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
     """Clients for ``url``: (nodes, r3cache's options, the URL without credentials)."""
     if not isinstance(url, str):
         raise ContractError(f"a store URL must be a str, not {type(url).__name__}")
-    parts = urlsplit(url)
+    parts = url_parts(url)
     if parts.scheme not in REDIS_SCHEMES:
         raise ContractError(f"unsupported Redis URL scheme {parts.scheme!r}; use one of "
                             + ", ".join(f"{s}://" for s in REDIS_SCHEMES))
