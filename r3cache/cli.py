@@ -10,7 +10,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from r3cache.errors import R3Error
+from r3cache.errors import ContractError, R3Error
 from r3cache.layout import RoutingLayout
 from r3cache.sim import SimConfig, SimReport, grpo_workload, simulate
 from r3cache.store import display_url
@@ -446,10 +446,18 @@ def _run_plot(args: argparse.Namespace) -> int:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.colors import TwoSlopeNorm
     except ImportError:
         raise SystemExit("plot needs matplotlib: pip install 'r3cache[cli]'") from None
     from r3cache.reader import R3Reader
+
+    # Checked before the reads: savefig would refuse the format only after all of them.
+    suffix = args.out.rpartition(".")[2].lower() if "." in args.out.rpartition("/")[2] else ""
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ContractError(f"--out {args.out}: matplotlib writes no .{suffix}; use one of "
+                            + ", ".join(f".{f}" for f in sorted(formats)))
 
     with R3Reader(args.url, namespace=args.namespace) as reader:
         layout = reader.layout

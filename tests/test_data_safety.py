@@ -1009,6 +1009,7 @@ def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path, reli
     ["gc", "redis+cluster://127.0.0.1:7000,[zz]:7001"],
     ["inspect", "redis://127.0.0.1:6379/0?janitor=flase"],
     ["export", "REDIS", "--namespace", "NS", "--out", "OUT", "--dtype", "bool"],
+    ["plot", "REDIS", "--namespace", "NS", "--out", "OUT.txt"],  # no format matplotlib has
     ["demo", "--prompts", "-1"],
     ["demo", "--spec-tokens", "-1"],
     ["demo", "--seed", "-5"],
