@@ -54,6 +54,23 @@ def layer_indices(layers: object, num_layers: int, of: str) -> list[int]:
     return picked
 
 
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
+
+
+def flag(value: object, name: str) -> bool:
+    """``value`` as a bool: a bool, or 1/0, true/false, yes/no, on/off in any case, as an
+    environment variable or a URL query spells it; a ContractError for anything else, so
+    a typo (``flase``) is not taken for true."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return _FLAGS[str(value).strip().lower()]
+    except KeyError:
+        raise ContractError(f"{name} is a flag (1/0, true/false, yes/no, on/off), not "
+                            f"{value!r:.40}") from None
+
+
 def seconds(value: object, name: str) -> float:
     """``value`` as a finite number of seconds >= 0, or a ContractError: every wait is
     bounded, and infinity or NaN would make one unbounded."""

@@ -573,6 +573,30 @@ def test_an_r3cache_url_option_without_a_value_or_given_twice_is_refused(redis_u
         engine.rank_owner(f"{redis_url}?owner=", 0, 2)
 
 
+@pytest.mark.parametrize("value,inline", [("0", False), ("off", False), ("No", False),
+                                          ("false", False), ("1", True), ("on", True),
+                                          ("", True), (None, True)])
+def test_r3cache_inline_takes_every_usual_spelling_of_a_flag(monkeypatch, value, inline):
+    """R3CACHE_INLINE=off kept inline routes on: only 0, false and no turned them off."""
+    if value is None:
+        monkeypatch.delenv("R3CACHE_INLINE", raising=False)
+    else:
+        monkeypatch.setenv("R3CACHE_INLINE", value)
+    assert engine.inline() is inline
+
+
+def test_a_misspelt_flag_is_refused_not_taken_for_true(monkeypatch, redis_url, namespace):
+    monkeypatch.setenv("R3CACHE_INLINE", "fasle")
+    with pytest.raises(ContractError, match="R3CACHE_INLINE is a flag"):
+        engine.inline()
+    for query in ("janitor=flase", "lease=maybe"):
+        with pytest.raises(ContractError, match="has an invalid value"):
+            open_store(f"{redis_url}?{query}", layout=LAYOUT, namespace=namespace)
+    from r3cache.store.redis.connect import list_namespaces
+
+    assert namespace not in list_namespaces(redis_url)  # refused before it was made
+
+
 STALLED_OWNER = """
 import sys
 import numpy as np

@@ -13,7 +13,7 @@ from urllib.parse import urlencode
 
 import xxhash
 
-from r3cache.checks import url_options
+from r3cache.checks import flag, url_options
 from r3cache.errors import ContractError, IntegrationError
 from r3cache.store.urls import url_parts
 
@@ -63,7 +63,7 @@ def rank_owner(url: str, rank: int, ranks: int) -> dict[str, str]:
 
 def inline() -> bool:
     """Whether responses keep their inline routes (R3CACHE_INLINE, default on)."""
-    return os.environ.get("R3CACHE_INLINE", "1").lower() not in ("0", "false", "no")
+    return flag(os.environ.get("R3CACHE_INLINE") or "1", "R3CACHE_INLINE")
 
 
 def metrics_port(rank: int = 0) -> int | None:

@@ -134,6 +134,7 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
         raise IntegrationError("R3CACHE_URL is set, but SGLang runs without "
                                "--enable-return-routed-experts: there are no routes to store")
     url, options = engine.split_url(os.environ["R3CACHE_URL"], _OPTIONS)
+    inline = engine.inline()  # checked before the store opens
     if engine.embedded(url):
         raise IntegrationError("R3CACHE_URL is memory://, a store inside this scheduler: no "
                                "trainer could read the routes published there, and their "
@@ -154,7 +155,7 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
         store.close()
         raise
     atexit.register(_close)  # a scheduler that exits normally writes what is pending
-    _STATE.inline = engine.inline()
+    _STATE.inline = inline
     server = engine.serve_metrics(rank)
     if server is not None:
         log.info("r3cache: metrics on port %s (/metrics)", server.server_port)

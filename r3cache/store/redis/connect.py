@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 from urllib.parse import unquote
 
@@ -14,7 +15,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.retry import Retry
 
-from r3cache.checks import url_options
+from r3cache.checks import flag, url_options
 from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
 from r3cache.store.redis.errors import ACCESS_REFUSED, redis_errors
@@ -22,20 +23,6 @@ from r3cache.store.redis.keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, c
 from r3cache.store.redis.nodes import ClusterNodes, SingleNode, command, retryable
 from r3cache.store.redis.store import RedisBlockStore, RedisOptions, missing_namespace
 from r3cache.store.urls import display_url, url_parts
-
-_FLAGS = {"1": True, "true": True, "yes": True, "on": True,
-          "0": False, "false": False, "no": False, "off": False}
-
-
-def _flag(value: Any) -> bool:
-    """A bool, or one spelled in a URL query: a typo (``lease=flase``) is refused, not
-    taken for true."""
-    if isinstance(value, bool):
-        return value
-    try:
-        return _FLAGS[str(value).lower()]
-    except KeyError:
-        raise ValueError("not a flag") from None
 
 
 def _int(value: Any) -> int:
@@ -62,7 +49,7 @@ def _timeout(value: Any) -> float:
 _STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "idle_ttl": float, "lease_ttl": float, "manifest_ttl": float, "owner": str, "retries": _int,
     "hash_algo": str, "wait_replicas": _int, "wait_timeout": float, "codec": str,
-    "janitor": _flag, "lease": _flag,
+    "janitor": partial(flag, name="janitor"), "lease": partial(flag, name="lease"),
 }
 _CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "pool_size": _pool_size, "socket_timeout": _timeout, "socket_connect_timeout": _timeout,
