@@ -9,7 +9,7 @@ Errors are ContractError naming the sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -22,9 +22,9 @@ def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None, max_id:
     """Each sequence's routes, checked before any is converted: integer IDs in
     ``0 .. max_id`` (what ``target`` holds), one (layers, topk) shape for all; then
     ``layers``."""
-    if isinstance(routes, (str, bytes, np.ndarray)):
+    if isinstance(routes, (str, bytes, np.ndarray)) or not isinstance(routes, Iterable):
         raise ContractError("routes are a sequence of (tokens, layers, topk) arrays, one per "
-                            f"sequence, not one {type(routes).__name__}")
+                            f"sequence, not {type(routes).__name__}")
     out: list[np.ndarray] = []
     for i, rows in enumerate(routes):
         rows = np.asarray(rows)
@@ -57,6 +57,8 @@ def to_verl(routes: Sequence[np.ndarray], seq_len: int, *,
     """
     rows = _checked(routes, layers, np.iinfo(np.int16).max, "verl's int16 routed_experts")
     seq_len = count(seq_len, "seq_len")
+    if offsets is not None and not isinstance(offsets, Iterable):
+        raise ContractError(f"offsets are one int per sequence, not {offsets!r:.40}")
     offsets = ([0] * len(rows) if offsets is None else
                [count(at, f"offset {i}") for i, at in enumerate(offsets)])
     if len(offsets) != len(rows):
