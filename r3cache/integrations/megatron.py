@@ -80,7 +80,8 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
     if layers not in ("all", "moe"):
         raise ReplayError(f"layers must be 'all' or 'moe', not {layers!r}")
     tp_rank, tp_size, cp_rank, cp_size = _parallel_share(tp_rank, tp_size, cp_rank, cp_size)
-    if isinstance(routes, (str, bytes)) or not isinstance(routes, Sequence) or not routes:
+    if (isinstance(routes, (str, bytes)) or not isinstance(routes, (Sequence, np.ndarray))
+            or not len(routes)):
         raise ReplayError(f"routes are one array per sequence, at least one; not "
                           f"{routes!r:.40}")
     if isinstance(batch.names, str):  # one name, not a sequence of its letters
@@ -141,8 +142,8 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
     from concurrent.futures import ThreadPoolExecutor
 
     tp_rank, tp_size, cp_rank, cp_size = _parallel_share(tp_rank, tp_size, cp_rank, cp_size)
-    batches = [batches] if isinstance(batches, str) else list(batches)
-    if any(isinstance(names, str) for names in batches):
+    batches = list(batches)
+    if any(isinstance(names, str) for names in batches):  # one str's letters are strs too
         raise ReplayError("batches are a sequence of batches, each a sequence of request ids")
     empty = [i for i, names in enumerate(batches) if not len(names)]
     if empty:  # checked before any read: a padded batch needs one sequence at least
