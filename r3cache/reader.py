@@ -79,6 +79,10 @@ class R3Reader:
 
             if namespace is None:
                 raise ContractError("R3Reader needs the namespace to read")
+            given = sorted({"lease", "janitor"} & options.keys())
+            if given:  # a reader holds nothing and collects nothing (r3cache gc does)
+                raise ContractError(f"R3Reader opens read-only: it takes no "
+                                    f"{' or '.join(given)} option")
             self.store = open_store(source, layout=None, namespace=namespace, lease=False,
                                     janitor=False, **options)
             self._owns_store = True

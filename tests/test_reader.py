@@ -105,6 +105,14 @@ def test_manifests_hold_their_blocks_until_released(reader):
     assert reader.release("a") == 0
 
 
+def test_a_reader_refuses_the_options_of_a_writer_by_name(url, namespace):
+    """A reader holds nothing and collects nothing: lease= or janitor= was a TypeError
+    (its own keyword given twice)."""
+    for option in ({"lease": True}, {"janitor": True}, {"lease": False, "janitor": False}):
+        with pytest.raises(ContractError, match="R3Reader opens read-only: it takes no "):
+            R3Reader(url, namespace=namespace, **option)
+
+
 def test_a_missing_block_names_the_request(reader):
     store = reader.store
     key = store.get_manifests(["b"])[0].block_keys[-1]
