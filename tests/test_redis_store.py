@@ -432,6 +432,32 @@ def test_a_store_url_redis_py_would_refuse_or_misread_is_a_contract_error(url, n
             engine.split_url(url + "?store_wait=1", {"store_wait": float})
 
 
+@pytest.mark.parametrize("option", [{"idle_ttl": True}, {"retries": True},
+                                    {"wait_replicas": True}, {"socket_timeout": True},
+                                    {"db": True}, {"owner": ""}])
+def test_a_bool_is_no_number_and_an_empty_owner_no_name(option, redis_url, namespace):
+    """idle_ttl=True was a TTL of 1 s, retries=True one retry; owner="" fell back to the
+    default name where ?owner= is refused."""
+    with pytest.raises(ContractError, match="invalid value True|owner '' must be"):
+        open_store(redis_url, layout=LAYOUT, namespace=namespace, **option)
+    assert not redis.Redis().exists(f"r3:{namespace}:meta")
+    with pytest.raises(ContractError, match="max_bytes must be a number, not True"):
+        open_store("memory://", layout=LAYOUT, namespace=namespace, max_bytes=True)
+
+
+def test_an_option_of_none_is_not_given(namespace):
+    """password=os.environ.get("REDIS_PASSWORD") with the variable unset: no password, not
+    the password "None" (AUTH refused); the URL's own password stays."""
+    with RedisServer("--requirepass", "s3cret-pw") as server:
+        url = server.url.replace("redis://", "redis://:s3cret-pw@")
+        for options in ({"password": None}, {"username": None, "password": None},
+                        {"owner": None, "idle_ttl": None}):
+            store = open_store(url, layout=LAYOUT, namespace=namespace, **options)
+            store.put({"k": blk(5)})
+            np.testing.assert_array_equal(store.get_concatenated(["k"]), blk(5))
+            store.close()
+
+
 def _make_tls_files(directory) -> dict[str, str]:
     files = {name: str(directory / name) for name in ("ca.key", "ca.crt", "server.key",
                                                       "server.csr", "server.crt")}

@@ -53,6 +53,9 @@ def open_store(
             raise ContractError(f"unknown memory store option(s) {', '.join(unknown)}; it "
                                 f"takes {', '.join(sorted(_MEMORY_OPTIONS))}")
         for name in _INT_OPTIONS & merged.keys():
+            if isinstance(merged[name], bool):  # True would be a store of one byte
+                raise ContractError(f"store option {name} must be a number, not "
+                                    f"{merged[name]}")
             try:
                 merged[name] = int(float(merged[name]))
             except (TypeError, ValueError, OverflowError):  # OverflowError: infinity

@@ -51,6 +51,7 @@ _STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "hash_algo": str, "wait_replicas": _int, "wait_timeout": float, "codec": str,
     "janitor": partial(flag, name="janitor"), "lease": partial(flag, name="lease"),
 }
+_NUMBERS = {float, int, _int, _pool_size, _timeout}  # parsers a bool must not reach
 _CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "pool_size": _pool_size, "socket_timeout": _timeout, "socket_connect_timeout": _timeout,
     "username": str, "password": str,
@@ -59,6 +60,8 @@ _CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {
 
 def _parsed(key: str, parse: Callable[[Any], Any], value: Any) -> Any:
     try:
+        if isinstance(value, bool) and parse in _NUMBERS:
+            raise TypeError("a bool is no number")  # True would be 1 second, or 1 retry
         return parse(value)
     except (TypeError, ValueError):
         shown = "(hidden)" if key == "password" else repr(value)
@@ -66,8 +69,10 @@ def _parsed(key: str, parse: Callable[[Any], Any], value: Any) -> Any:
 
 
 def _split_options(query: dict[str, str], options: dict[str, Any], tls: bool):
-    """(r3cache's options, redis-py client options); unknown names are an error."""
-    merged = {**query, **options}
+    """(r3cache's options, redis-py client options); unknown names are an error. A keyword
+    option of None is not given (``password=os.environ.get(...)`` unset: no password,
+    not the password "None")."""
+    merged = {**query, **{k: v for k, v in options.items() if v is not None}}
     ours: dict[str, Any] = {}
     client: dict[str, Any] = {}
     for key, value in merged.items():

@@ -151,7 +151,8 @@ class RedisBlockStore:
         if options.codec not in codec.CODECS:
             raise ContractError(f"codec must be one of {codec.CODECS}, not {options.codec!r}")
         self._codec = codec.codec_for(layout, options.codec)
-        self.owner = check_name(options.owner or default_owner(), "owner")
+        self.owner = check_name(default_owner() if options.owner is None else options.owner,
+                                "owner")
         self.options = options
         self.hash_algo = hasher_name(options.hash_algo)
         self._nodes = nodes
