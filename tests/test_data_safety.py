@@ -1030,6 +1030,7 @@ def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path, reli
     ["export", "REDIS", "--namespace", "NS", "--out", "OUT", "--batch", "-1"],
     ["inspect", "redis://user:se#cret-pw@127.0.0.1:6379/0"],
     ["inspect", "redis://user:cret-pw@[::1:6379/0"],  # urlsplit: "Invalid IPv6 URL"
+    ["inspect", "redis://:a[cret-pw]@127.0.0.1:6379/0"],  # urlsplit quotes 'cret-pw'
     ["gc", "redis+cluster://127.0.0.1:7000,[zz]:7001"],
     ["inspect", "redis://127.0.0.1:6379/0?janitor=flase"],
     ["export", "REDIS", "--namespace", "NS", "--out", "OUT", "--dtype", "bool"],

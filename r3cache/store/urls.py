@@ -9,11 +9,14 @@ from r3cache.errors import ContractError
 
 def url_parts(url: str) -> SplitResult:
     """``url``'s parts, or a ContractError: urlsplit raises a bare ValueError for a host in
-    brackets that is no IPv6 address (``redis://[::1:6379``)."""
+    brackets that is no IPv6 address (``redis://[::1:6379``). Its message is not passed
+    on: it quotes what stood in the brackets, which may be a password's."""
     try:
         return urlsplit(url)
-    except ValueError as exc:
-        raise ContractError(f"the store URL cannot be parsed: {exc}") from None
+    except ValueError:
+        raise ContractError("the store URL cannot be parsed: a host in brackets must be an "
+                            "IPv6 address, and a '[' or ']' in a password percent-encoded "
+                            "(%5B, %5D)") from None
 
 
 def display_url(url: str) -> str:
