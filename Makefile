@@ -28,8 +28,10 @@ $(STAMP): $(CORE_STAMP)
 demo: $(CORE_STAMP)
 	$(BIN)/r3cache demo
 
+# Two workers (pytest-xdist): most tests wait on servers, timers and subprocesses, so two
+# share 2 cores; each worker starts its own cluster and names its keys by its own session.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_step.py
