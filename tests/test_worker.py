@@ -6,7 +6,14 @@ import sys
 import numpy as np
 import pytest
 
-from r3cache import R3Reader, RequestOutput, RoutingLayout, StepBatch, WorkerConnector
+from r3cache import (
+    R3Reader,
+    RequestOutput,
+    RoutingLayout,
+    StepBatch,
+    WorkerConnector,
+    open_store,
+)
 from r3cache.connector import PackedHashes
 from r3cache.connector.metadata import StepMetadata, block_key, block_keys, keys_by_request
 from r3cache.errors import (
@@ -17,6 +24,7 @@ from r3cache.errors import (
     InvalidBatchError,
     LayoutMismatchError,
     MetadataError,
+    StoreClosedError,
     StoreFullError,
 )
 from r3cache.manifest import Completion
@@ -676,3 +684,40 @@ def test_counts_are_read_when_the_step_is_processed_not_when_handed_over(harness
     out = h.worker.process_output(pending)
     assert_output(out["a"], h, "a", 0, 5)
     assert_output(out["b"], h, "b", 0, 3)
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis", "cluster"])
+def test_a_closed_connector_refuses_every_step_call_and_takes_no_pin(backend, request,
+                                                                      namespace):
+    """close() released every pin and dropped the steps in flight: a step after it, or one
+    prepared before it, is refused as closed (not registered into a cleared table, not
+    reported as out of order), and close() again is a no-op."""
+    layout = RoutingLayout(num_layers=3, topk=2, num_experts=16, block_size=4)
+    url = {"memory": "memory://", "redis": None, "cluster": None}[backend] or \
+        request.getfixturevalue(f"{backend}_url")
+    h = Harness(layout)
+    h.worker.close()
+    h.worker = WorkerConnector(layout=layout, store=open_store(url, layout=layout,
+                                                               namespace=namespace),
+                               max_num_seqs=2)
+    h.add("r", TOKENS)
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 2)})
+    pending = h.prepare([("r", 0, 8)])
+    pending.enqueue_cpu_copy([1], [0])
+    h.worker.close()
+    with pytest.raises(StoreClosedError, match="closed"):
+        h.worker.process_output(pending)
+    with pytest.raises(StoreClosedError, match="closed"):
+        h.begin({"q": 0}, {"q": h.hashes("r", 0, 2)})
+    with pytest.raises(StoreClosedError, match="closed"):
+        h.prepare([("r", 8, 1)])
+    h.worker.close()
+    if backend != "memory":  # no holder of any kind on the keys the refused calls named
+        probe = open_store(url, layout=layout, namespace=namespace, lease=False,
+                           janitor=False)
+        try:
+            for key in h.keys("r", 0, 2):
+                refs = probe.keys.refs(key)
+                assert probe.client_for(refs).hkeys(refs) == []
+        finally:
+            probe.close()

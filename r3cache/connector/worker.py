@@ -26,6 +26,7 @@ from r3cache.errors import (
     LayoutMismatchError,
     MetadataError,
     R3Error,
+    StoreClosedError,
     StoreFullError,
     StoreUnavailableError,
 )
@@ -250,6 +251,7 @@ class WorkerConnector:
         # them in order. Guarded by _lock against an output thread.
         self._inflight: deque[PendingOutput] = deque()
         self._lock = threading.Lock()
+        self._closed = False  # close() released every pin: no step may take new ones
         self._block_offsets = np.arange(layout.block_size)
         # Keys requests received since the last store call, pinned first by the next one
         # (a step's own put at the latest; at once in a step that runs nothing): a call of
@@ -296,6 +298,7 @@ class WorkerConnector:
         A finished request that an unconsumed step still covers is torn down by
         that step's process_output instead.
         """
+        self._check_open()
         if not checks.is_int(metadata.generation):
             raise GenerationError(f"the generation is an int, not {metadata.generation!r:.40}")
         if metadata.generation < self._generation:
@@ -650,6 +653,7 @@ class WorkerConnector:
         self, batch: StepBatch, routed_experts: np.ndarray | None = None
     ) -> PendingOutput:
         """Take one executed step's rows; call enqueue_cpu_copy, then process_output."""
+        self._check_open()
         if isinstance(batch.req_ids, str):  # one id, not a batch of its letters
             raise InvalidBatchError("req_ids is a sequence of request ids, not a str")
         req_ids = list(batch.req_ids)
@@ -716,9 +720,11 @@ class WorkerConnector:
         Teardown deferred by begin_step completes here once no in-flight step
         covers the request; its keys are released tail block first.
         """
+        self._check_open()
         if pending.host_copy is not None:
             pending._await_copy()  # waits on this step's copy event, outside the lock
         with self._lock:
+            self._check_open()  # close() on another thread dropped the steps in flight
             if not self._inflight or self._inflight[0] is not pending:
                 raise InvalidBatchError("step outputs must be processed in the order prepared")
             if pending.num_sampled is None or pending.num_rejected is None:
@@ -1094,9 +1100,17 @@ class WorkerConnector:
 
     # -- shutdown -----------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"the connector of namespace {self.store.namespace!r} is "
+                                   "closed: it takes no more steps")
+
     def close(self) -> None:
         """Release every pin this worker holds, drain the writer and close the store."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             table = self._table
             release = [k for s in table.live_slots() for k in reversed(table.keys[s])]
             release += [k for given in self._delivered.values() for k in reversed(given.held)]
