@@ -45,9 +45,14 @@ def layer_indices(layers: object, num_layers: int, of: str) -> list[int]:
     """``layers`` as ints that index ``num_layers`` layers (negative from the end), or a
     ContractError naming those out of range (``of``: whose layers they are)."""
     try:
-        picked = [operator.index(x) for x in layers]
+        given = list(layers)
+        picked = [operator.index(x) for x in given]
     except TypeError:
         raise ContractError(f"layers must be a sequence of ints, not {layers!r:.80}") from None
+    if any(isinstance(x, bool) for x in given):
+        # numpy reads a list of bools as a mask, operator.index as the layers 1 and 0.
+        raise ContractError("layers are indices, not a mask of bools: "
+                            "np.flatnonzero(mask) gives a mask's indices")
     bad = [x for x in picked if not -num_layers <= x < num_layers]
     if bad:
         raise ContractError(f"layers {bad} outside {of} {num_layers} layers")

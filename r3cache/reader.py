@@ -15,6 +15,7 @@ from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
     CorruptBlockError,
+    LayoutMismatchError,
     ManifestNotFoundError,
     R3Error,
 )
@@ -69,11 +70,15 @@ class R3Reader:
 
     ``R3Reader("redis://host:6379/0", namespace="model@v1")`` opens the namespace with
     the layout it stores; it holds nothing and writes nothing but ``release``.
-    A store object (``open_store(...)``) may be passed instead of a URL.
+    ``layout=`` (the trainer's model) is compared with the stored one: a
+    LayoutMismatchError at once rather than routes of another shape. A store object
+    (``open_store(...)``) may be passed instead of a URL, without options.
     """
 
-    def __init__(self, source: str | BlockStore, namespace: str | None = None,
-                 **options: Any) -> None:
+    def __init__(self, source: str | BlockStore, namespace: str | None = None, *,
+                 layout: RoutingLayout | None = None, **options: Any) -> None:
+        if layout is not None and not isinstance(layout, RoutingLayout):
+            raise ContractError(f"layout is a RoutingLayout, not {type(layout).__name__}")
         if isinstance(source, str):
             from r3cache.store import open_store
 
@@ -83,15 +88,29 @@ class R3Reader:
             if given:  # a reader holds nothing and collects nothing (r3cache gc does)
                 raise ContractError(f"R3Reader opens read-only: it takes no "
                                     f"{' or '.join(given)} option")
+            # The stored layout, not ``layout``: opening with one writes a namespace
+            # that is not there, and a reader writes nothing.
             self.store = open_store(source, layout=None, namespace=namespace, lease=False,
                                     janitor=False, **options)
             self._owns_store = True
         elif isinstance(source, BlockStore):
+            if options or namespace not in (None, source.namespace):
+                # Taken silently, they would name a namespace or settings it does not read.
+                raise ContractError(
+                    f"R3Reader reads the store it is given (namespace "
+                    f"{source.namespace!r}); namespace and options go with a URL")
             self.store = source
             self._owns_store = False
         else:
             raise ContractError(f"R3Reader reads a store URL or a BlockStore, not "
                                 f"{type(source).__name__}")
+        if layout is not None and layout.fingerprint != self.store.layout.fingerprint:
+            stored = self.store.layout.fingerprint
+            if self._owns_store:
+                self.store.close()
+            raise LayoutMismatchError(
+                f"namespace {self.store.namespace!r} holds routes of layout {stored}, "
+                f"not {layout.fingerprint}")
         self.layout: RoutingLayout = self.store.layout
         self.namespace = self.store.namespace
         self.stats = ReaderStats()

@@ -1214,7 +1214,7 @@ def test_reader_arguments_are_checked_before_reading(redis_url, namespace, relia
     try:
         with R3Reader(redis_url, namespace=namespace) as reader:
             for kwargs in ({"layers": [99]}, {"layers": ["x"]}, {"dtype": "foo"},
-                           {"dtype": "float32"}):
+                           {"dtype": "float32"}, {"layers": [True, False, True, True]}):
                 with pytest.raises(ContractError):
                     reader.get("r", **kwargs)
             for bad in (None, 3, "", "bad\ud800"):
@@ -1238,11 +1238,11 @@ def test_reader_arguments_are_checked_before_reading(redis_url, namespace, relia
             assert reader.get("r", layers=slice(None, None, -1)).shape == (4, *LAYOUT.row_shape)
         with pytest.raises(ContractError):
             R3Reader(123)
-        reliability("R3Reader calls with layers=[99] or slice('a'), dtype='foo', wait=inf, "
-                    "a numpy dtype for torch, None or a surrogate id, float, negative or "
-                    "uint64 token ids, an int seed; R3Reader(123)",
+        reliability("R3Reader calls with layers=[99], a mask of bools or slice('a'), "
+                    "dtype='foo', wait=inf, a numpy dtype for torch, None or a surrogate "
+                    "id, float, negative or uint64 token ids, an int seed; R3Reader(123)",
                     "one recorded request", "ContractError before anything is read",
-                    "22/22 refused")
+                    "23/23 refused")
     finally:
         store.close()
 

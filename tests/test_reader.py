@@ -12,7 +12,9 @@ from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
     CorruptBlockError,
+    LayoutMismatchError,
     ManifestNotFoundError,
+    NamespaceNotFoundError,
 )
 from r3cache.hashing import block_hashes
 from r3cache.sim import SimConfig, SimRequest, oracle_rows, simulate
@@ -111,6 +113,36 @@ def test_a_reader_refuses_the_options_of_a_writer_by_name(url, namespace):
     for option in ({"lease": True}, {"janitor": True}, {"lease": False, "janitor": False}):
         with pytest.raises(ContractError, match="R3Reader opens read-only: it takes no "):
             R3Reader(url, namespace=namespace, **option)
+
+
+def test_a_reader_checks_the_layout_it_is_given_and_writes_no_namespace(reader, url):
+    """``layout=`` was a TypeError (the keyword given twice). The trainer's layout is now
+    compared with the stored one; a namespace that is not there stays so."""
+    with R3Reader(url, namespace=reader.namespace, layout=LAYOUT) as same:
+        np.testing.assert_array_equal(same.get("a"), reader.get("a"))
+    other = RoutingLayout(num_layers=5, topk=2, num_experts=40, block_size=4)
+    with pytest.raises(LayoutMismatchError, match=other.fingerprint):
+        R3Reader(url, namespace=reader.namespace, layout=other)
+    with pytest.raises(ContractError, match="RoutingLayout"):
+        R3Reader(url, namespace=reader.namespace, layout="r3l1:L4:K2:E40:B4:|u1")
+    missing = reader.namespace + "-none"
+    with pytest.raises(NamespaceNotFoundError):
+        R3Reader(url, namespace=missing, layout=LAYOUT)
+    with pytest.raises(NamespaceNotFoundError):  # the failed open wrote nothing
+        R3Reader(url, namespace=missing)
+
+
+def test_a_reader_of_a_store_object_refuses_a_namespace_or_options_it_would_not_use(
+        reader):
+    """Both were ignored: a reader given another namespace read the store's."""
+    store = reader.store
+    with pytest.raises(ContractError, match="namespace and options go with a URL"):
+        R3Reader(store, namespace=store.namespace + "-other")
+    with pytest.raises(ContractError, match="namespace and options go with a URL"):
+        R3Reader(store, socket_timeout=1)
+    with R3Reader(store, namespace=store.namespace, layout=LAYOUT) as same:
+        np.testing.assert_array_equal(same.get("a"), reader.get("a"))
+    assert reader.get("a").shape[0] > 0  # the reader's store is still open
 
 
 def test_a_missing_block_names_the_request(reader):

@@ -104,6 +104,7 @@ BAD_INPUT = {
     "verl one array": lambda: to_verl(ROWS, 8),
     "verl layer out of range": lambda: to_verl([ROWS], 8, layers=[4]),
     "verl layer not an int": lambda: to_verl([ROWS], 8, layers=["a"]),
+    "verl layers as a mask": lambda: to_verl([ROWS], 8, layers=[True, False, True, False]),
     "verl seq_len not an int": lambda: to_verl([ROWS], 8.0),
     "verl offset not an int": lambda: to_verl([ROWS], 8, offsets=[0.5]),
     "verl offsets one int": lambda: to_verl([ROWS], 8, offsets=0),
