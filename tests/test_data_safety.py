@@ -1185,6 +1185,9 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
                 worker.begin_step(StepMetadata(0, {}, {"r": hashes}, ()))
         with pytest.raises(MetadataError, match="not a str"):
             worker.begin_step(StepMetadata(0, {}, {}, "r"))
+        for fields in ({"finished_requests": None}, {"preempted": 5}):  # were TypeErrors
+            with pytest.raises(MetadataError, match="collection of request ids"):
+                worker.begin_step(StepMetadata(0, {}, {}, **fields))
         with pytest.raises(GenerationError):  # 0.5 > 0 would have reset the prefix cache
             worker.begin_step(StepMetadata(0.5, {}, {}, ()))
         for fields in ((["r"], {}), ({}, [("r", [b"\x01" * 32])])):
@@ -1199,7 +1202,8 @@ def test_invalid_rows_and_positions_are_refused_before_any_effect(reliability):
         reliability("expert ID >= num_experts, an expert twice in a row, float positions, "
                     "a request id with a lone surrogate, a negative emit start, a request "
                     "finished twice in one step, a str, bytes or int as a request's block "
-                    "hashes, a str as finished_requests or req_ids, generation 0.5, "
+                    "hashes, a str as finished_requests or req_ids, None or an int "
+                    "where request ids go, generation 0.5, "
                     "lists where the metadata maps request ids", "one request",
                     "InvalidBatchError / ContractError before any state or store change",
                     "0 blocks stored; the request then runs from position 0")

@@ -305,8 +305,12 @@ class WorkerConnector:
             raise GenerationError(
                 f"generation moved backwards from {self._generation} to {metadata.generation}"
             )
-        if isinstance(metadata.finished_requests, str):  # one id, not a list of its letters
-            raise MetadataError("finished_requests is a collection of request ids, not a str")
+        for name in ("finished_requests", "preempted"):
+            ids = getattr(metadata, name)
+            # One id is not a list of its letters, and None is not an empty list.
+            if isinstance(ids, str) or not isinstance(ids, Iterable):
+                kind = "a str" if isinstance(ids, str) else type(ids).__name__
+                raise MetadataError(f"{name} is a collection of request ids, not {kind}")
         for name in ("requests", "block_hashes", "completions", "record_as"):
             if not isinstance(getattr(metadata, name), Mapping):
                 raise MetadataError(f"step metadata's {name} maps request ids, not "
@@ -390,8 +394,6 @@ class WorkerConnector:
         """The step's preempted requests: finished ones, none of them for good."""
         if not metadata.preempted:  # most steps
             return set()
-        if isinstance(metadata.preempted, str):
-            raise MetadataError("preempted is a collection of request ids, not a str")
         preempted = set(metadata.preempted)
         if not preempted <= finished:
             raise MetadataError(f"preempted requests must be finished in the same step: "
