@@ -20,6 +20,10 @@ def test_new_requests_carry_their_emit_start_and_hashes_are_sent_once():
     assert s.build_step_metadata().is_empty()
     with pytest.raises(MetadataError, match="cannot shrink"):
         s.update_block_hashes("a", [b"h0"])
+    # Another chain: its new hash would key a's rows as that chain's block.
+    with pytest.raises(MetadataError, match="block hash 2 differs"):
+        s.update_block_hashes("a", [b"x0", b"x1", b"x2", b"x3"])
+    assert s.build_step_metadata().is_empty()
     for bad in (None, "h0h1h2h3", b"h0h1h2h3"):  # no list: refused by name, not by len()
         with pytest.raises(MetadataError, match="block hashes are a list"):
             s.update_block_hashes("a", bad)

@@ -50,9 +50,15 @@ class SchedulerConnector:
     def update_block_hashes(self, req_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """The request's full list of block hashes so far; only the new suffix is sent."""
         state = self._state(req_id)
-        new = _checked_hashes(req_id, block_hashes, len(state.hashes))
-        if len(block_hashes) < len(state.hashes):
+        known = len(state.hashes)
+        new = _checked_hashes(req_id, block_hashes, known)
+        if len(block_hashes) < known:
             raise MetadataError(f"request {req_id!r}: block hashes cannot shrink")
+        # Hashes chain: the last one sent standing where it was vouches for those before.
+        # Another chain's suffix would key this request's rows as its blocks.
+        if known and block_hashes[known - 1] != state.hashes[-1]:
+            raise MetadataError(f"request {req_id!r}: block hash {known - 1} differs from "
+                                "the one sent; the list must extend the hashes sent")
         if new:
             state.hashes.extend(new)
             if state.registered:
