@@ -983,7 +983,9 @@ def test_closing_a_worker_does_not_wait_for_the_helper_process(redis_url, namesp
         worker.close()
         times.append(time.monotonic() - began)
         assert helper.poll() is not None
-    assert min(times) < 0.05
+    # It took 0.3-1.3 s waiting on the helper's teardown; 17-20 ms on a quiet machine
+    # now, and under 0.2 s with both cores busy with other work.
+    assert min(times) < 0.2
     reliability("WorkerConnector.close() with the helper-process writer", "one held block",
                 "holds dropped, helper gone", f"close took {min(times) * 1000:.0f}-"
                 f"{max(times) * 1000:.0f} ms over 3 runs")
