@@ -722,11 +722,10 @@ class WorkerConnector:
         Teardown deferred by begin_step completes here once no in-flight step
         covers the request; its keys are released tail block first.
         """
-        self._check_open()
         if pending.host_copy is not None:
             pending._await_copy()  # waits on this step's copy event, outside the lock
         with self._lock:
-            self._check_open()  # close() on another thread dropped the steps in flight
+            self._check_open()  # close(), on any thread, dropped the steps in flight
             if not self._inflight or self._inflight[0] is not pending:
                 raise InvalidBatchError("step outputs must be processed in the order prepared")
             if pending.num_sampled is None or pending.num_rejected is None:
