@@ -9,6 +9,7 @@ Everything binds to 127.0.0.1 on free ports and lives in a temporary directory t
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import random
@@ -38,11 +39,32 @@ def _port_free(port: int) -> bool:
     return True
 
 
+@functools.cache
+def _listening_ports() -> tuple[int, ...]:
+    """Ports that neither the kernel's range for outgoing connections nor its +10000 cluster
+    bus port falls in: any port in that range can be taken by some process's connect()
+    between the check that it is free and the server's bind (a minute, for an engine)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default; macOS's 49152-65535 lies above it
+    outgoing = range(low, high + 1)
+    ports = tuple(p for p in range(10000, 65536 - 10000)
+                  if p not in outgoing and p + 10000 not in outgoing)
+    return ports or tuple(range(20000, 54000))
+
+
+_handed_out: set[int] = set()  # a port handed out once may not be bound yet
+
+
 def free_port() -> int:
-    """A loopback port that is free, and whose cluster bus port (+10000) is free too."""
+    """A loopback port that is free, and whose cluster bus port (+10000) is free too; never
+    one this process handed out before, nor one an outgoing connection can be given."""
+    ports = _listening_ports()
     for _ in range(1000):
-        port = random.randint(20000, 54000)
-        if _port_free(port) and _port_free(port + 10000):
+        port = random.choice(ports)
+        if port not in _handed_out and _port_free(port) and _port_free(port + 10000):
+            _handed_out.add(port)
             return port
     raise RuntimeError("no free loopback port pair found")
 

@@ -134,7 +134,10 @@ def serve(model: Path, env: dict[str, str], flags: str = "--enable-return-routed
           command: str | None = None) -> Server:
     """SGLang's server on the tiny model with the plugin, starting: ``command`` (the
     launch_server line of the README, say), or ``python -m sglang.launch_server``."""
-    port = free_port()
+    # Both ports from this process, so that two servers starting side by side never get the
+    # same one: SGLang's own pick of its torch.distributed port knows nothing of the other.
+    port, nccl_port = free_port(), free_port()
     command = command or (f"python -m sglang.launch_server --model-path "
                           f"{shlex.quote(str(model))} {flags}")
-    return Server(f"{command} --host 127.0.0.1 --port {port} {CPU_FLAGS}", env, port)
+    return Server(f"{command} --host 127.0.0.1 --port {port} --nccl-port {nccl_port} "
+                  f"{CPU_FLAGS}", env, port)
