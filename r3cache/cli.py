@@ -13,7 +13,7 @@ import numpy as np
 from r3cache.errors import ContractError, R3Error
 from r3cache.layout import RoutingLayout
 from r3cache.sim import SimConfig, SimReport, grpo_workload, simulate
-from r3cache.store import display_url
+from r3cache.store import display_url, without_engine_options
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -526,6 +526,8 @@ def _redacted(text: str, argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if getattr(args, "url", None):  # the engine's R3CACHE_URL will do, as for R3Reader
+        args.url = without_engine_options(args.url)
     try:
         return args.func(args)
     except R3Error as exc:

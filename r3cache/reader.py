@@ -69,7 +69,8 @@ class R3Reader:
     """Own a read handle on one namespace: manifests and blocks in, validated rows out.
 
     ``R3Reader("redis://host:6379/0", namespace="model@v1")`` opens the namespace with
-    the layout it stores; it holds nothing and writes nothing but ``release``.
+    the layout it stores; it holds nothing and writes nothing but ``release``. The
+    engine's R3CACHE_URL will do: its plugin's options (``store_wait``...) are dropped.
     ``layout=`` (the trainer's model) is compared with the stored one: a
     LayoutMismatchError at once rather than routes of another shape. A store object
     (``open_store(...)``) may be passed instead of a URL, without options.
@@ -80,7 +81,7 @@ class R3Reader:
         if layout is not None and not isinstance(layout, RoutingLayout):
             raise ContractError(f"layout is a RoutingLayout, not {type(layout).__name__}")
         if isinstance(source, str):
-            from r3cache.store import open_store
+            from r3cache.store import open_store, without_engine_options
 
             if namespace is None:
                 raise ContractError("R3Reader needs the namespace to read")
@@ -90,8 +91,8 @@ class R3Reader:
                                     f"{' or '.join(given)} option")
             # The stored layout, not ``layout``: opening with one writes a namespace
             # that is not there, and a reader writes nothing.
-            self.store = open_store(source, layout=None, namespace=namespace, lease=False,
-                                    janitor=False, **options)
+            self.store = open_store(without_engine_options(source), layout=None,
+                                    namespace=namespace, lease=False, janitor=False, **options)
             self._owns_store = True
         elif isinstance(source, BlockStore):
             if options or namespace not in (None, source.namespace):

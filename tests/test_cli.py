@@ -115,6 +115,9 @@ def test_inspect_shows_layout_counts_and_owners(recorded, namespace):
     assert result.returncode == 0, result.stderr
     assert "layout r3l1:L4:K2:E16:B4:|u1  hash sha256" in result.stdout
     assert "manifests  3" in result.stdout and "0 live" in result.stdout
+    # The engine's R3CACHE_URL, with its plugin's options, shows the same.
+    engine_url = f"{url}{'&' if '?' in url else '?'}store_wait=5&writer=process"
+    assert cli("inspect", engine_url, "--namespace", namespace).stdout == result.stdout
 
 
 def test_get_writes_npy_and_safetensors(recorded, namespace, tmp_path):

@@ -281,3 +281,28 @@ def test_a_trainer_in_a_fresh_process_reads_every_rollout_byte_for_byte(url, nam
     assert result.returncode == 0, result.stdout + result.stderr
     assert "12 manifests written" in result.stdout
     assert "12 byte-identical, 0 different" in result.stdout
+
+
+def _with(url: str, query: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}{query}"
+
+
+def test_the_engines_url_reads_as_the_store_url_and_a_mistyped_option_is_refused(reader,
+                                                                                 url):
+    """The README hands a trainer the engine's R3CACHE_URL: its plugin's options there
+    (vLLM's connector options, SGLang's block size) are the engine's, not the store's."""
+    engine_url = _with(url, "store_wait=5&on_unavailable=drop&writer=process&"
+                            "local_tier_bytes=1000000&block_size=4&owner=vllm-0")
+    with R3Reader(engine_url, namespace=reader.namespace) as from_engine:
+        np.testing.assert_array_equal(from_engine.get("a"), reader.get("a"))
+    with pytest.raises(ContractError, match="store_wiat"):
+        R3Reader(_with(url, "store_wiat=5"), namespace=reader.namespace)
+
+
+def test_the_options_a_reader_drops_are_the_engine_plugins_own():
+    from r3cache.integrations import sglang, vllm
+    from r3cache.store.redis.connect import _STORE_OPTIONS
+    from r3cache.store.urls import ENGINE_OPTIONS
+
+    plugins = vllm._CONNECTOR_OPTIONS.keys() | sglang._OPTIONS.keys()
+    assert plugins - _STORE_OPTIONS.keys() == ENGINE_OPTIONS

@@ -10,12 +10,12 @@ from r3cache.layout import RoutingLayout
 from r3cache.store.base import BlockStore, StoreStats
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.redis.keys import REDIS_SCHEMES
-from r3cache.store.urls import display_url, url_parts
+from r3cache.store.urls import display_url, url_parts, without_engine_options
 from r3cache.store.writers.background import BackgroundBlockStore
 
 __all__ = [
     "BackgroundBlockStore", "BlockStore", "MemoryBlockStore", "StoreStats", "display_url",
-    "open_store",
+    "open_store", "without_engine_options",
 ]
 
 _INT_OPTIONS = {"max_bytes"}
