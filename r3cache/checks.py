@@ -59,6 +59,17 @@ def layer_indices(layers: object, num_layers: int, of: str) -> list[int]:
     return picked
 
 
+def byte_size(value: object) -> int:
+    """A number of bytes as a URL's query gives it: ``1073741824`` or ``1e9`` (truncated);
+    ValueError for anything else, infinity and NaN too, so the caller names the option."""
+    if isinstance(value, bool):  # True would be one byte
+        raise ValueError("a bool is no size")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError("a size is finite")
+    return int(number)
+
+
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
 

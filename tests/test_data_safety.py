@@ -579,6 +579,20 @@ def test_an_r3cache_url_option_without_a_value_or_given_twice_is_refused(redis_u
         engine.rank_owner(f"{redis_url}?owner=", 0, 2)
 
 
+def test_a_size_in_r3cache_url_is_read_as_the_memory_stores_max_bytes_is():
+    """local_tier_bytes=1e9 was refused where memory://?max_bytes=1e9 is taken; infinity
+    and NaN are refused as the option's, before anything opens."""
+    from r3cache.integrations import vllm
+
+    assert vllm.split_url("redis://h/0?local_tier_bytes=1e9&idle_ttl=9") == (
+        "redis://h/0?idle_ttl=9", {"local_tier_bytes": 10**9})
+    for value in ("inf", "nan", "true", "1GB"):
+        with pytest.raises(ContractError, match=f"local_tier_bytes has an invalid value '{value}'"):
+            vllm.split_url(f"redis://h/0?local_tier_bytes={value}")
+        with pytest.raises(ContractError, match="max_bytes must be a number"):
+            open_store(f"memory://?max_bytes={value}", layout=LAYOUT, namespace="n")
+
+
 @pytest.mark.parametrize("value,inline", [("0", False), ("off", False), ("No", False),
                                           ("false", False), ("1", True), ("on", True),
                                           ("", True), (None, True)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from r3cache.checks import url_options
+from r3cache.checks import byte_size, url_options
 from r3cache.errors import ContractError
 from r3cache.layout import RoutingLayout
 from r3cache.store.base import BlockStore, StoreStats
@@ -53,12 +53,9 @@ def open_store(
             raise ContractError(f"unknown memory store option(s) {', '.join(unknown)}; it "
                                 f"takes {', '.join(sorted(_MEMORY_OPTIONS))}")
         for name in _INT_OPTIONS & merged.keys():
-            if isinstance(merged[name], bool):  # True would be a store of one byte
-                raise ContractError(f"store option {name} must be a number, not "
-                                    f"{merged[name]}")
             try:
-                merged[name] = int(float(merged[name]))
-            except (TypeError, ValueError, OverflowError):  # OverflowError: infinity
+                merged[name] = byte_size(merged[name])
+            except (TypeError, ValueError):
                 raise ContractError(f"store option {name} must be a number, not "
                                     f"{merged[name]!r}") from None
         return MemoryBlockStore(layout, namespace, **merged)
