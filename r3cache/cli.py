@@ -6,6 +6,8 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from urllib.parse import unquote
 
 import numpy as np
@@ -363,22 +365,27 @@ def _run_top(args: argparse.Namespace) -> int:
 def _run_get(args: argparse.Namespace) -> int:
     from r3cache.reader import R3Reader
 
+    save = _saver(args.out)  # before the read: a file it cannot write wastes none
     with R3Reader(args.url, namespace=args.namespace) as reader:
         rows = reader.get(args.request_id, dtype=args.dtype)
-    _save(rows, args.out)
+    save(rows)
     print(f"{args.request_id}: {rows.shape} {rows.dtype} -> {args.out}")
     return 0
 
 
-def _save(rows: np.ndarray, path: str) -> None:
-    if path.endswith(".safetensors"):
-        try:
-            from safetensors.numpy import save_file
-        except ImportError:
-            raise SystemExit("writing .safetensors needs: pip install 'r3cache[cli]'") from None
-        save_file({"routed_experts": np.ascontiguousarray(rows)}, path)
-    else:
-        np.save(path, rows)
+def _saver(path: str) -> Callable[[np.ndarray], None]:
+    """What writes rows to exactly ``path``: a .npy or a .safetensors file (np.save would
+    write ``routes`` to routes.npy, and the line printed would name another file)."""
+    if path.endswith(".npy"):
+        return partial(np.save, path)
+    if not path.endswith(".safetensors"):
+        raise ContractError(f"--out {path}: name a .npy or a .safetensors file")
+    try:
+        from safetensors.numpy import save_file
+    except ImportError:
+        raise ContractError("writing .safetensors needs the safetensors package: pip "
+                            "install 'r3cache[cli]'") from None
+    return lambda rows: save_file({"routed_experts": np.ascontiguousarray(rows)}, path)
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -449,7 +456,8 @@ def _run_plot(args: argparse.Namespace) -> int:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.colors import TwoSlopeNorm
     except ImportError:
-        raise SystemExit("plot needs matplotlib: pip install 'r3cache[cli]'") from None
+        raise ContractError("plot needs the matplotlib package: pip install "
+                            "'r3cache[cli]'") from None
     from r3cache.reader import R3Reader
 
     # Checked before the reads: savefig would refuse the format only after all of them.

@@ -138,6 +138,27 @@ def test_get_writes_npy_and_safetensors(recorded, namespace, tmp_path):
     assert missing.returncode == 2 and "ManifestNotFoundError" in missing.stderr
 
 
+def test_get_writes_the_file_it_names_or_refuses_before_reading(recorded, namespace,
+                                                                 tmp_path):
+    """`--out routes` wrote routes.npy and printed "-> routes"; a missing safetensors
+    package exited 1 with a bare message. Each is now one line, exit 2, no file."""
+    url, _ = recorded
+    for out in (tmp_path / "routes", tmp_path / "routes.txt", tmp_path):
+        result = cli("get", url, "req-1", "--namespace", namespace, "--out", str(out))
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [
+            f"r3cache get: ContractError: --out {out}: name a .npy or a .safetensors file"]
+    without = ("import sys; sys.modules['safetensors'] = None; from r3cache.cli import main; "
+               "sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", without, "get", url, "req-1", "--namespace",
+                             namespace, "--out", str(tmp_path / "r.safetensors")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "r3cache get: ContractError: writing .safetensors needs the safetensors package: "
+        "pip install 'r3cache[cli]'"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_writes_every_request_and_an_index(recorded, namespace, tmp_path):
     import json
 
