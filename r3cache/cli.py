@@ -12,7 +12,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from r3cache.errors import ContractError, R3Error
+from r3cache.errors import BlockNotFoundError, ContractError, R3Error
 from r3cache.layout import RoutingLayout
 from r3cache.sim import SimConfig, SimReport, grpo_workload, simulate
 from r3cache.store import display_url, without_engine_options
@@ -201,13 +201,13 @@ def _block_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Read one block of routed experts by its KV block hash (the hex digest that "
             "follows 'b:' in its Redis key) and print what it holds. --out saves the "
-            "rows, shape (block_size, num_layers, topk), as a .npy file."
+            "rows, shape (block_size, num_layers, topk), to a .npy or .safetensors file."
         ),
     )
     block.add_argument("url", help="redis://, rediss://, unix:// or redis+cluster:// URL")
     block.add_argument("block_hash", help="the block's hash, as in r3:NS:b:{HASH}")
     block.add_argument("--namespace", required=True, help=_NAMESPACE_HELP)
-    block.add_argument("--out", help="write the rows to this .npy file")
+    block.add_argument("--out", help="write the rows to this .npy or .safetensors file")
     block.set_defaults(func=_run_block)
 
 
@@ -216,6 +216,7 @@ def _run_block(args: argparse.Namespace) -> int:
     from r3cache.store.redis.connect import open_redis_store
     from r3cache.store.redis.nodes import hash_reply
 
+    save = _saver(args.out) if args.out else None  # before the read, as for get
     store = open_redis_store(args.url, layout=None, namespace=args.namespace,
                              lease=False, janitor=False)
     try:
@@ -224,8 +225,7 @@ def _run_block(args: argparse.Namespace) -> int:
         holders = hash_reply(store.call(refs, "HGETALL", refs))
         ttl = store.call(key, "PTTL", key)
         if value is None:
-            print(f"no block {args.block_hash} in namespace {args.namespace!r}")
-            return 1
+            raise BlockNotFoundError([args.block_hash], namespace=args.namespace)
         header = read_header(value, args.block_hash)
         rows = store.get_concatenated([args.block_hash])
     finally:
@@ -237,8 +237,8 @@ def _run_block(args: argparse.Namespace) -> int:
     print("holders   " + (", ".join(f"{o.decode()}={int(n)}" for o, n in holders.items())
                          or "none"))
     print(f"rows      {rows.shape} {rows.dtype}; token 0, layer 0: {rows[0, 0].tolist()}")
-    if args.out:
-        np.save(args.out, rows)
+    if save:
+        save(rows)
         print(f"saved     {args.out}")
     return 0
 

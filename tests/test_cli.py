@@ -1,3 +1,4 @@
+import contextlib
 import subprocess
 import sys
 
@@ -63,7 +64,9 @@ def test_block_decodes_one_stored_block(redis_url, namespace, tmp_path):
     missing = subprocess.run(
         [sys.executable, "-m", "r3cache.cli", "block", redis_url, "nope", "--namespace",
          namespace], capture_output=True, text=True, timeout=60)
-    assert missing.returncode == 1 and "no block nope" in missing.stdout
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"r3cache block: BlockNotFoundError: 1 block(s) missing in namespace {namespace!r}: "
+        "nope (likely cause: never written, or evicted after its last release)"]
 
 
 def test_demo_reports_its_store_without_the_password():
@@ -118,6 +121,43 @@ def test_inspect_shows_layout_counts_and_owners(recorded, namespace):
     # The engine's R3CACHE_URL, with its plugin's options, shows the same.
     engine_url = f"{url}{'&' if '?' in url else '?'}store_wait=5&writer=process"
     assert cli("inspect", engine_url, "--namespace", namespace).stdout == result.stdout
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_a_namespace_deleted_by_hand_stops_no_command_over_every_namespace(where, namespace):
+    """Its keys deleted with redis-cli, a namespace's name stays in r3:namespaces: inspect,
+    top and gc over every namespace stopped at its missing layout. A name r3cache never
+    writes, added there by hand, is passed over too."""
+    import redis
+
+    from r3cache import RoutingLayout, open_store
+    from r3cache.inspection import snapshot
+    from r3cache.testing import RedisClusterProcesses, RedisServer
+
+    # Servers of its own: every namespace of a shared one would be listed, and another
+    # test's could go between the listing and the look.
+    with contextlib.ExitStack() as stack:
+        if where == "standalone":
+            server = stack.enter_context(RedisServer())
+            url, client = server.url, server.client()
+        else:
+            url = stack.enter_context(RedisClusterProcesses()).url
+            host, port = url.removeprefix("redis+cluster://").split(",")[0].split(":")
+            client = redis.RedisCluster(host=host, port=int(port))
+        stack.callback(client.close)
+        gone = f"{namespace}-gone"
+        for name in (namespace, gone):
+            open_store(url, layout=RoutingLayout(4, 2, 16, 4), namespace=name).close()
+        for key in (f"r3:{gone}:meta", f"r3:{gone}:owners"):
+            client.delete(key)
+        client.sadd("r3:namespaces", "not a namespace")
+        inspected = cli("inspect", url)
+        assert inspected.returncode == 0, inspected.stderr
+        assert f"{namespace}  layout" in inspected.stdout and gone not in inspected.stdout
+        collected = cli("gc", url)
+        assert collected.returncode == 0, collected.stderr
+        assert f"{namespace}: 0 live owner(s)" in collected.stdout
+        assert [n.namespace for n in snapshot(url).namespaces] == [namespace]
 
 
 def test_get_writes_npy_and_safetensors(recorded, namespace, tmp_path):

@@ -19,8 +19,14 @@ from r3cache.checks import flag, url_options
 from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
 from r3cache.store.redis.errors import ACCESS_REFUSED, redis_errors
-from r3cache.store.redis.keys import NAMESPACES_KEY, REDIS_SCHEMES, KeySchema, check_name
-from r3cache.store.redis.nodes import ClusterNodes, SingleNode, command, retryable
+from r3cache.store.redis.keys import (
+    NAME,
+    NAMESPACES_KEY,
+    REDIS_SCHEMES,
+    KeySchema,
+    check_name,
+)
+from r3cache.store.redis.nodes import ClusterNodes, SingleNode, command, execute, retryable
 from r3cache.store.redis.store import RedisBlockStore, RedisOptions, missing_namespace
 from r3cache.store.urls import display_url, url_parts
 
@@ -208,12 +214,22 @@ def _stored_layout(nodes, keys: KeySchema, display: str, retries: int) -> Routin
 
 
 def list_namespaces(url: str) -> list[str]:
-    """Every namespace ever opened on the server(s) at ``url``."""
+    """Every namespace opened on the server(s) at ``url`` whose metadata is still there.
+    One whose keys were deleted by hand stays in ``r3:namespaces``; listed, it would stop
+    ``inspect``, ``top`` and ``gc`` of every other namespace at its missing layout."""
     nodes, store_options, _ = connect(url, None, {})
     try:
         with redis_errors(None, "listing namespaces"):
-            members = command(nodes, NAMESPACES_KEY, "SMEMBERS", NAMESPACES_KEY,
-                              retries=store_options.retries)
-            return sorted(n.decode() for n in members)
+            listed = command(nodes, NAMESPACES_KEY, "SMEMBERS", NAMESPACES_KEY,
+                             retries=store_options.retries)
+            members = sorted(n for n in (m.decode(errors="replace") for m in listed)
+                             if NAME.fullmatch(n))  # a name added by hand, r3cache's never
+            metas = [KeySchema(n).meta for n in members]
+            present = set()
+            for indices, replies in execute(nodes, metas, lambda group: [
+                    ("EXISTS", metas[i]) for i in group], scripts={},
+                    retries=store_options.retries):
+                present.update(i for i, found in zip(indices, replies) if found)
+            return [n for i, n in enumerate(members) if i in present]
     finally:
         nodes.close()

@@ -24,7 +24,7 @@ from r3cache.errors import ContractError
 
 NAMESPACES_KEY = b"r3:namespaces"
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
-_NAME = re.compile(r"[A-Za-z0-9._@+/=-]{1,200}")
+NAME = re.compile(r"[A-Za-z0-9._@+/=-]{1,200}")  # a namespace or an owner
 
 
 MANIFEST_OWNER_PREFIX = "m:"  # engine owner names cannot contain ":"
@@ -36,7 +36,7 @@ def manifest_owner(request_id: str) -> str:
 
 
 def check_name(value: str, what: str) -> str:
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
+    if not isinstance(value, str) or not NAME.fullmatch(value):
         raise ContractError(
             f"{what} {value!r} must be 1-200 characters of letters, digits and ._@+/=-"
         )
