@@ -343,12 +343,12 @@ class R3Reader:
         keys = [h.hex() + suffix for h in block_hashes(
             token_ids, self.layout.block_size, algo=self.store.hash_algo, seed=seed,
             extra_keys_per_block=extra_keys_per_block)]
-        try:
-            rows = self.store.get_concatenated(keys)
-        except BlockNotFoundError as exc:
-            first = min(keys.index(k) for k in exc.keys)
-            keys = keys[:first]
-            rows = self.store.get_concatenated(keys)
+        while True:  # each miss shortens the prefix: a block evicted since the last read too
+            try:
+                rows = self.store.get_concatenated(keys)
+                break
+            except BlockNotFoundError as exc:
+                keys = keys[:min(keys.index(k) for k in exc.keys)]
         self._validate("(by tokens)", rows, len(keys) * self.layout.block_size)
         return TokenLookup(_select(rows, dtype, layers), len(rows), len(keys))
 
