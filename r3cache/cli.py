@@ -335,14 +335,13 @@ def _each_recorded(reader, ids: list[str], batch: int, dtype=None, skipped: list
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from r3cache.inspection import describe, look
-    from r3cache.store.redis.connect import list_namespaces
+    from r3cache.inspection import describe, looks
 
-    namespaces = [args.namespace] if args.namespace else list_namespaces(args.url)
-    if not namespaces:
+    views = looks(args.url, args.namespace)
+    if not views:
         print("no r3cache namespaces found")
-    for namespace in namespaces:
-        print("\n".join(describe(look(args.url, namespace))))
+    for view in views:
+        print("\n".join(describe(view)))
     return 0
 
 

@@ -6,9 +6,11 @@ never KEYS), O(blocks) a look: for people, not for the engine's loop.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
+from r3cache.errors import NamespaceNotFoundError
 from r3cache.store.base import StoreStats
 from r3cache.store.redis.connect import connect, list_namespaces, open_redis_store
 from r3cache.store.redis.errors import redis_errors
@@ -97,6 +99,17 @@ class Snapshot:
     namespaces: list[NamespaceView]
 
 
+def looks(url: str, namespace: str | None = None) -> list[NamespaceView]:
+    """A look at ``namespace``, or at every namespace listed: one deleted between the
+    listing and its look is passed over, not the end of the others' (or of `top`)."""
+    if namespace:
+        return [look(url, namespace)]
+    views = []
+    for name in list_namespaces(url):
+        with contextlib.suppress(NamespaceNotFoundError):
+            views.append(look(url, name))
+    return views
+
+
 def snapshot(url: str, namespace: str | None = None) -> Snapshot:
-    names = [namespace] if namespace else list_namespaces(url)
-    return Snapshot(time.monotonic(), server(url), [look(url, n) for n in names])
+    return Snapshot(time.monotonic(), server(url), looks(url, namespace))
