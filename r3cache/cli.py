@@ -12,7 +12,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from r3cache.errors import BlockNotFoundError, ContractError, R3Error
+from r3cache.errors import BlockNotFoundError, ContractError, NamespaceNotFoundError, R3Error
 from r3cache.layout import RoutingLayout
 from r3cache.sim import SimConfig, SimReport, grpo_workload, simulate
 from r3cache.store import display_url, without_engine_options
@@ -175,8 +175,13 @@ def _run_gc(args: argparse.Namespace) -> int:
     if not namespaces:
         print("no r3cache namespaces found")
     for namespace in namespaces:
-        store = open_redis_store(args.url, layout=None, namespace=namespace,
-                                 lease=False, janitor=False)
+        try:
+            store = open_redis_store(args.url, layout=None, namespace=namespace,
+                                     lease=False, janitor=False)
+        except NamespaceNotFoundError:
+            if args.namespace:
+                raise
+            continue  # deleted since the listing, as inspection.looks passes it over
         try:
             report = reclaim_dead_owners(store)
         finally:
