@@ -225,10 +225,10 @@ def list_namespaces(url: str) -> list[str]:
             members = sorted(n for n in (m.decode(errors="replace") for m in listed)
                              if NAME.fullmatch(n))  # a name added by hand, r3cache's never
             metas = [KeySchema(n).meta for n in members]
-            present = set()
-            for indices, replies in execute(nodes, metas, lambda group: [
-                    ("EXISTS", metas[i]) for i in group], scripts={},
-                    retries=store_options.retries):
+            present: set[int] = set()
+            rounds = execute(nodes, metas, lambda group: [("EXISTS", metas[i]) for i in group],
+                             scripts={}, retries=store_options.retries)
+            for indices, replies in rounds:
                 present.update(i for i, found in zip(indices, replies) if found)
             return [n for i, n in enumerate(members) if i in present]
     finally:
