@@ -424,6 +424,23 @@ def test_an_engine_asking_for_more_replicas_than_a_primary_has_is_told(cluster_u
     assert "1 connected replica(s), wait_replicas=2" in said[1]
 
 
+def test_a_replica_wait_is_the_one_asked_for_and_shorter_than_a_socket_timeout():
+    """wait_timeout=0.0004 became WAIT 1 0, which waits for ever: each put short of a
+    replica then failed after (retries + 1) socket timeouts, 40 s. One as long as the
+    socket timeout fails every such put the same way: refused at open."""
+    with RedisServer() as server:
+        store = open_store(f"{server.url}?wait_replicas=1&wait_timeout=0.0004&"
+                           "socket_timeout=2&retries=0", layout=LAYOUT, namespace="wait")
+        started = time.monotonic()
+        store.put({"k": blk(1)})
+        assert time.monotonic() - started < 1.5 and store.stats().unreplicated == 1
+        store.close()
+        for query in ("wait_timeout=10", "wait_timeout=3&socket_timeout=2"):
+            with pytest.raises(ContractError, match="must be shorter than socket_timeout"):
+                open_store(f"{server.url}?wait_replicas=1&{query}", layout=LAYOUT,
+                           namespace="wait")
+
+
 def test_a_heartbeat_goes_through_when_redis_is_out_of_memory(reliability):
     with RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
         owner = open_store(server.url, layout=WIDE, namespace="oom", lease_ttl=1)

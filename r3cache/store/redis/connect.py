@@ -140,6 +140,12 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
                                                    tls=parts.scheme.startswith("rediss"))
     client_options.setdefault("socket_timeout", 10.0)
     client_options.setdefault("socket_connect_timeout", 5.0)
+    if store_options.wait_replicas and store_options.wait_timeout >= client_options[
+            "socket_timeout"]:
+        # The reply to WAIT comes after wait_timeout: every write short of replicas would
+        # time its socket out, be retried, and fail after retries + 1 socket timeouts.
+        raise ContractError(f"wait_timeout ({store_options.wait_timeout:g} s) must be shorter "
+                            f"than socket_timeout ({client_options['socket_timeout']:g} s)")
     display = display_url(url).partition("?")[0]  # for repr and errors: no options
     if not parts.scheme.endswith("+cluster"):
         plain = url.split("?", 1)[0]

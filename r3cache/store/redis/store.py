@@ -481,9 +481,9 @@ class RedisBlockStore:
         commands += writes
         if after:
             commands.append(HOLDS_SCRIPT.command(*head, *after))
-        if self.options.wait_replicas:
+        if self.options.wait_replicas:  # WAIT's 0 ms would wait for ever: 1 ms at least
             commands.append(("WAIT", self.options.wait_replicas,
-                             int(self.options.wait_timeout * 1000)))
+                             math.ceil(self.options.wait_timeout * 1000)))
         return commands
 
     def _set_hold(self, key: str, count: int) -> None:
