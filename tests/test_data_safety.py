@@ -424,7 +424,7 @@ def test_an_engine_asking_for_more_replicas_than_a_primary_has_is_told(cluster_u
     assert "1 connected replica(s), wait_replicas=2" in said[1]
 
 
-def test_a_replica_wait_is_the_one_asked_for_and_shorter_than_a_socket_timeout():
+def test_a_wait_or_ttl_under_a_millisecond_is_one_and_a_wait_is_shorter_than_a_socket_timeout():
     """wait_timeout=0.0004 became WAIT 1 0, which waits for ever: each put short of a
     replica then failed after (retries + 1) socket timeouts, 40 s. One as long as the
     socket timeout fails every such put the same way: refused at open."""
@@ -434,6 +434,10 @@ def test_a_replica_wait_is_the_one_asked_for_and_shorter_than_a_socket_timeout()
         started = time.monotonic()
         store.put({"k": blk(1)})
         assert time.monotonic() - started < 1.5 and store.stats().unreplicated == 1
+        store.close()
+        # Likewise an idle TTL under 1 ms was PX 0, which Redis refuses: no put went in.
+        store = open_store(f"{server.url}?idle_ttl=0.0004", layout=LAYOUT, namespace="wait")
+        store.put({"k2": blk(2)})
         store.close()
         for query in ("wait_timeout=10", "wait_timeout=3&socket_timeout=2"):
             with pytest.raises(ContractError, match="must be shorter than socket_timeout"):

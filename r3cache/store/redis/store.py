@@ -157,7 +157,7 @@ class RedisBlockStore:
         self.hash_algo = hasher_name(options.hash_algo)
         self._nodes = nodes
         self._display_url = display_url
-        self._idle_ms = int(options.idle_ttl * 1000)
+        self._idle_ms = math.ceil(options.idle_ttl * 1000)  # PX 0 is an error: 1 ms at least
         # key -> this writer's variant key, for keys under which another writer's rows sit:
         # the variant of the rows it wrote last under the key. Every change, in order, is
         # also in _variant_log (what a helper process tells the engine).
