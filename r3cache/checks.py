@@ -87,13 +87,18 @@ def flag(value: object, name: str) -> bool:
                             f"{value!r:.40}") from None
 
 
+# The longest wait or TTL an option may ask for (31 years): Python's waits overflow past
+# threading.TIMEOUT_MAX (292 years), Redis's TTLs in milliseconds soon after.
+MAX_SECONDS = 1e9
+
+
 def seconds(value: object, name: str) -> float:
     """``value`` as a finite number of seconds >= 0, or a ContractError: every wait is
     bounded, and infinity or NaN would make one unbounded."""
     if not (is_int(value) or isinstance(value, (float, np.floating))) or not (
-            0 <= value < math.inf):
-        raise ContractError(f"{name} must be a finite number of seconds >= 0, not "
-                            f"{value!r:.40}")
+            0 <= value <= MAX_SECONDS):
+        raise ContractError(f"{name} must be a finite number of seconds >= 0, at most "
+                            f"{MAX_SECONDS:g}, not {value!r:.40}")
     return float(value)
 
 

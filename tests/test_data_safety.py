@@ -445,6 +445,21 @@ def test_a_wait_or_ttl_under_a_millisecond_is_one_and_a_wait_is_shorter_than_a_s
                            namespace="wait")
 
 
+def test_a_wait_or_ttl_past_what_redis_and_python_can_count_is_refused_at_once(redis_url):
+    """idle_ttl=1e17 failed every put ("value is not an integer or out of range");
+    lease_ttl=1e17 killed the heartbeat thread with an OverflowError; store_wait and a
+    reader's wait of 1e17 would do the same in the engine's or the trainer's wait."""
+    for option in ("idle_ttl", "lease_ttl", "manifest_ttl", "wait_timeout"):
+        with pytest.raises(ContractError, match=f"{option} must be at most 1e\\+09 s"):
+            open_store(f"{redis_url}?{option}=1e17", layout=LAYOUT, namespace="big")
+    store = open_store("memory://", layout=LAYOUT, namespace="big")
+    with pytest.raises(ContractError, match="store_wait must be .* at most 1e\\+09"):
+        WorkerConnector(layout=LAYOUT, store=store, max_num_seqs=2,
+                        max_num_batched_tokens=16, store_wait=1e17)
+    with R3Reader(store) as reader, pytest.raises(ContractError, match="wait must be"):
+        reader.get("r", wait=1e17)
+
+
 def test_a_heartbeat_goes_through_when_redis_is_out_of_memory(reliability):
     with RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
         owner = open_store(server.url, layout=WIDE, namespace="oom", lease_ttl=1)

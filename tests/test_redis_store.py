@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -42,6 +43,18 @@ def store(url, namespace):
     s = open_store(url, layout=LAYOUT, namespace=namespace)
     yield s
     s.close()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def counted_store(request, namespace):
+    """A store whose servers' command counts are this test's own: a redis-server of its
+    own (the machine's is shared with the other test worker), or this worker's cluster."""
+    with contextlib.ExitStack() as stack:
+        url = (request.getfixturevalue("cluster_url") if request.param == "cluster"
+               else stack.enter_context(RedisServer()).url)
+        s = open_store(url, layout=LAYOUT, namespace=namespace)
+        stack.callback(s.close)
+        yield s
 
 
 def command_calls(store, name: str) -> int:
@@ -102,9 +115,10 @@ def test_namespace_metadata_is_written_once_and_guards_the_layout(url, namespace
         open_store(url, layout=None, namespace=namespace + "-absent")
 
 
-def test_a_batch_is_one_round_per_node(store, monkeypatch):
+def test_a_batch_is_one_round_per_node(counted_store, monkeypatch):
     from r3cache.store.redis import nodes as redis_nodes
 
+    store = counted_store
     rounds = []
     real = redis_nodes.Round
 
@@ -132,35 +146,36 @@ def test_a_batch_is_one_round_per_node(store, monkeypatch):
     store.put({}, release_keys=list(blocks))
 
 
-def test_a_read_round_keeps_a_window_of_groups_in_flight(redis_url, namespace):
+def test_a_read_round_keeps_a_window_of_groups_in_flight(namespace):
     """A server runs every command it has before it writes a reply: a read round sends
     ``ahead`` groups, then one more as each is read, so the server works while we decode."""
     from r3cache.store.redis.nodes import Round
 
-    client = redis.Redis.from_url(redis_url)
-    keys = [f"r3:{namespace}:window:{i}" for i in range(6)]
-    client.mset({k: i for i, k in enumerate(keys)})
+    # A server of its own: its MGETs are counted, and no other test worker's are among them.
+    with RedisServer() as server, contextlib.closing(server.client()) as client:
+        keys = [f"r3:{namespace}:window:{i}" for i in range(6)]
+        client.mset({k: i for i, k in enumerate(keys)})
 
-    def served_since(base: int, expected: int) -> int:
-        deadline = time.monotonic() + 2
-        while command_calls_of(client, "mget") - base < expected and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)  # long enough for any further group sent to be run
-        return command_calls_of(client, "mget") - base
+        def served_since(base: int, expected: int) -> int:
+            deadline = time.monotonic() + 2
+            while (command_calls_of(client, "mget") - base < expected
+                   and time.monotonic() < deadline):
+                time.sleep(0.01)
+            time.sleep(0.1)  # long enough for any further group sent to be run
+            return command_calls_of(client, "mget") - base
 
-    base = command_calls_of(client, "mget")
-    calls = Round([(client, [[("MGET", k)] for k in keys])], ahead=2)
-    try:
-        assert served_since(base, 2) == 2
-        replies = calls.replies()
-        assert next(replies) == (0, 0, [[b"0"]])
-        assert served_since(base, 3) == 3
-        assert [values for _, _, values in replies] == [[[str(i).encode()]] for i in range(1, 6)]
-        assert served_since(base, 6) == 6
-    finally:
-        calls.close()
-        client.delete(*keys)
-        client.close()
+        base = command_calls_of(client, "mget")
+        calls = Round([(client, [[("MGET", k)] for k in keys])], ahead=2)
+        try:
+            assert served_since(base, 2) == 2
+            replies = calls.replies()
+            assert next(replies) == (0, 0, [[b"0"]])
+            assert served_since(base, 3) == 3
+            assert [values for _, _, values in replies] == [[[str(i).encode()]]
+                                                            for i in range(1, 6)]
+            assert served_since(base, 6) == 6
+        finally:
+            calls.close()
 
 
 def test_script_cache_loss_is_recovered_transparently(store):
@@ -527,11 +542,12 @@ def test_a_handle_without_a_lease_cannot_hold_blocks(redis_url, namespace):
     assert redis.Redis.from_url(redis_url).hlen(f"r3:{namespace}:owners") == 0
 
 
-def test_the_samples_of_one_prompt_hold_its_blocks_once_per_manifest(store):
+def test_the_samples_of_one_prompt_hold_its_blocks_once_per_manifest(counted_store):
     """GRPO's samples share their prompt's blocks: each manifest holds each block it names
     once (however often it names it), beside the engine's own hold, in one hold call per
     node for all of them; released, the manifests leave the blocks as the engine holds
     them, and idle (with a TTL) once it lets go too."""
+    store = counted_store
     prompt = {f"p{i}": blk(i) for i in range(40)}
     own = {f"o{j}": blk(100 + j) for j in range(3)}
     store.put({**prompt, **own}, retain_keys=[*prompt, *own])

@@ -19,6 +19,7 @@ import numpy as np
 import redis
 
 from r3cache import codec
+from r3cache.checks import MAX_SECONDS
 from r3cache.errors import (
     BlockNotFoundError,
     ContractError,
@@ -95,6 +96,10 @@ class RedisOptions:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ContractError(f"{name} must be a positive number of seconds, not {value}")
+            if value > MAX_SECONDS:  # Redis refuses such a TTL at the first put, and a
+                # heartbeat thread cannot wait a third of it
+                raise ContractError(f"{name} must be at most {MAX_SECONDS:g} s (31 years), "
+                                    f"not {value:g}")
         if self.lease_ttl < 0.3:
             raise ContractError(f"lease_ttl must be at least 0.3 s, not {self.lease_ttl}")
         for name in ("retries", "wait_replicas"):
