@@ -76,6 +76,13 @@ def _forced_forward(site: RouterSite, indices: torch.Tensor):
     return forward
 
 
+def _restore_forward(module: nn.Module, previous: Any) -> None:
+    if previous is None:
+        module.__dict__.pop("forward", None)  # the class's forward again
+    else:
+        module.forward = previous
+
+
 def _as_indices(routes: Any) -> torch.Tensor:
     if isinstance(routes, np.ndarray):
         if routes.size and routes.dtype.kind not in "iu":  # checked before a cast truncates
@@ -116,6 +123,9 @@ def replay(model: nn.Module, routes: Any, *, layers: str = "moe") -> Iterator[No
     with ExitStack() as restore:
         for i, site in enumerate(sites):
             column = i if layers == "moe" else site.layer_id
+            # A forward set on the instance (accelerate's device hooks) is wrapped and put
+            # back afterwards, not dropped with the replay's.
+            previous = site.module.__dict__.get("forward")
             site.module.forward = _forced_forward(site, indices[:, column].contiguous().to(device))
-            restore.callback(site.module.__dict__.pop, "forward", None)
+            restore.callback(_restore_forward, site.module, previous)
         yield

@@ -54,6 +54,29 @@ def test_perturbed_model_follows_recorded_routes_not_its_own(name):
     assert (after == own).all()
 
 
+def test_a_forward_set_on_the_router_instance_is_kept_through_replay():
+    """accelerate's device hooks (device_map="auto", offloading) replace a module's forward
+    on the instance: replay wraps it, and puts it back at the end rather than dropping it
+    and leaving the class's forward, which would skip the hook's weight placement."""
+    model, capturer, ids, logits, routes = recorded("qwen3-moe-tiny", (1, 16), seed=8)
+    site = find_routers(model)[0]
+    calls = []
+    original = site.module.forward
+
+    def hooked(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    site.module.forward = hooked
+    with replay(model, routes):
+        replayed, seen = forward(model, capturer, ids)
+    assert (seen == routes).all() and torch.equal(replayed, logits) and calls
+    assert site.module.forward is hooked
+    before = len(calls)
+    forward(model, capturer, ids)
+    assert len(calls) == before + 1
+
+
 def test_replay_with_all_layers_and_gradients():
     model = tiny_model("qwen3-moe-tiny", num_layers=4).train(False)
     capturer = capturer_for(model, 64, layers="all")
