@@ -291,7 +291,7 @@ def test_the_engines_url_reads_as_the_store_url_and_a_mistyped_option_is_refused
                                                                                  url):
     """The README hands a trainer the engine's R3CACHE_URL: its plugin's options there
     (vLLM's connector options, SGLang's block size) are the engine's, not the store's."""
-    engine_url = _with(url, "store_wait=5&on_unavailable=drop&writer=process&"
+    engine_url = _with(url, "store_wait=5&on_unavailable=incomplete&writer=process&"
                             "local_tier_bytes=1000000&block_size=4&owner=vllm-0")
     with R3Reader(engine_url, namespace=reader.namespace) as from_engine:
         np.testing.assert_array_equal(from_engine.get("a"), reader.get("a"))
