@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -359,6 +360,25 @@ def test_samples_of_one_prompt_bringing_the_same_packed_hashes_each_pin_every_bl
                                   h.rows("other", 0, 8))
     h.begin(finished=["a", "b"])
     assert [h.refcount(k) for k in h.keys("a", 0, 2)] == [1, 1]
+
+
+def test_a_huge_max_num_seqs_allocates_as_requests_arrive(layout):
+    """max_num_seqs bounds nothing the connector allocates up front: 10**9, as some engines
+    are configured for "no limit", would otherwise take terabytes of tail blocks."""
+    tracemalloc.start()
+    try:
+        worker = WorkerConnector(layout=layout, store=MemoryBlockStore(layout, "t", 1 << 20),
+                                 max_num_seqs=10**9)
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
+    h = Harness(layout)
+    h.worker.close()
+    h.worker = worker
+    h.add("r", TOKENS)
+    h.begin({"r": 0}, {"r": h.hashes("r", 0, 2)})
+    assert_output(h.step([("r", 0, 10)], sampled=[1])["r"], h, "r", 0, 10)
+    worker.close()
 
 
 @pytest.mark.parametrize("record", [True, False])

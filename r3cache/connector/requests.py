@@ -10,6 +10,12 @@ from r3cache.manifest import Completion
 
 NO_CURSOR = -1
 
+# Slots made up front: an engine's max_num_seqs (vLLM's default 256, 1024 on some hosts)
+# without growth mid-run, and no more, since each slot holds a tail block (6 KiB for
+# L=48, K=8, uint8): a max_num_seqs of 10**9, as some set for "no limit", would allocate
+# terabytes. Beyond it the table grows as requests arrive.
+_PREALLOCATED_SLOTS = 1024
+
 
 class RequestTable:
     """Own every live request's cursors, keys, tail block and unkeyed full blocks.
@@ -55,7 +61,7 @@ class RequestTable:
         self.owned_from = np.empty(0, np.int64)
         self.nkeys = np.empty(0, np.int64)
         self.tail = np.empty((0, *layout.block_shape), layout.dtype)
-        self._grow(max(1, capacity))
+        self._grow(max(1, min(capacity, _PREALLOCATED_SLOTS)))
 
     def __len__(self) -> int:
         return len(self.req_id) - len(self._free)
