@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from urllib.parse import parse_qsl
 
 import numpy as np
@@ -68,6 +69,24 @@ def byte_size(value: object) -> int:
     if not math.isfinite(number):
         raise ValueError("a size is finite")
     return int(number)
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def fits_memory(nbytes: int, name: str) -> int:
+    """``nbytes``, or a ContractError where it exceeds this machine's physical memory: an
+    in-process bound that large is never reached (the process runs out of memory first),
+    and what is mapped and counted for it up front fails at once."""
+    total = physical_memory()
+    if total is not None and nbytes > total:
+        raise ContractError(f"{name}={nbytes} exceeds this machine's memory ({total} bytes)")
+    return nbytes
 
 
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True,

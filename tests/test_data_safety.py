@@ -1168,6 +1168,9 @@ def test_connector_sizes_and_waits_are_checked_before_any_writer_starts(redis_ur
                     make(layout=LAYOUT.fingerprint, store=store)
             with pytest.raises(ContractError, match="capturer must be"):
                 WorkerConnector(layout=LAYOUT, store=store, capturer=object())
+            if url != "memory://":  # a tier beyond the machine's memory (its arena is mapped)
+                with pytest.raises(ContractError, match="exceeds this machine's memory"):
+                    WorkerConnector(layout=LAYOUT, store=store, local_tier_bytes=10**13)
         finally:
             store.close()
     assert threading.active_count() == threads  # no writer was started
@@ -1176,7 +1179,7 @@ def test_connector_sizes_and_waits_are_checked_before_any_writer_starts(redis_ur
     with pytest.raises(ContractError):
         open_store("memory://?max_bytes=inf", layout=LAYOUT, namespace=namespace)
     reliability("store_wait inf, NaN or -1, max_num_seqs 0 or 2.5, max_num_batched_tokens "
-                "0, max_concurrent_batches 1.5, local_tier_bytes -1, on_unavailable "
+                "0, max_concurrent_batches 1.5, local_tier_bytes -1 or 1e13, on_unavailable "
                 "'ignore', max_pending 0, a URL as the store; open_store(5), max_bytes=inf",
                 "WorkerConnector and RequestPublisher on memory:// and Redis, open_store",
                 "ContractError before any writer starts", "no thread left running")

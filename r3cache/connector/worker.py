@@ -230,6 +230,7 @@ class WorkerConnector:
             # never wait on the writer or the network. writer="process" moves encoding
             # and Redis I/O to a helper process, off this process's GIL.
             check_capacity(layout, local_tier_bytes)  # before a helper starts
+            checks.fits_memory(local_tier_bytes, "local_tier_bytes")
             if writer == "process" and getattr(store, "reopen_args", None):
                 # The tier's blocks in the helper's arena: it reads them where they are.
                 store = spawn_writer(store, max_pending=2 * max_num_seqs, max_wait=store_wait,
