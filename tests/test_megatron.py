@@ -151,7 +151,8 @@ def test_mismatches_are_refused_before_any_target_is_set(groups, redis_url, name
     with pytest.raises(ReplayError, match="2 \\* cp_size"):  # 18 positions, 4 chunks
         replay_targets(stack.routers, routes, ReplayBatch(seq_len=18), cp_rank=1, cp_size=2)
     with pytest.raises(ReplayError, match="padded"):
-        replay_targets(stack.routers, routes, ReplayBatch(cu_seqlens=[0, 12, 28]), cp_size=2)
+        replay_targets(stack.routers, routes, ReplayBatch(cu_seqlens=[0, 12, 28]), cp_rank=0,
+                       cp_size=2)
     with pytest.raises(ReplayError, match="rank 2"):
         replay_targets(stack.routers, routes, ReplayBatch(seq_len=16), cp_rank=2, cp_size=2)
     assert all(r.router_replay.target_topk_idx is None for r in stack.routers)
@@ -170,6 +171,10 @@ MALFORMED = {  # argument -> what the ReplayError names
     "cp_rank a float": (dict(cp_size=2, cp_rank=1.0), "cp_rank must be an int"),
     "tp_size a str": (dict(tp_size="2"), "tp_size must be an int"),
     "tp_rank past tp_size": (dict(tp_size=2, tp_rank=2), "tensor-parallel rank 2"),
+    # Every rank would replay rank 0's tokens, or Megatron's group would override the rank.
+    "tp_size without tp_rank": (dict(tp_size=2), "tp_size=2 needs tp_rank"),
+    "cp_size without cp_rank": (dict(cp_size=2), "cp_size=2 needs cp_rank"),
+    "tp_rank without tp_size": (dict(tp_rank=1), "tp_rank=1 needs tp_size|rank 1 of tp_size=1"),
     "cu_seqlens past int64": (dict(batch=ReplayBatch(cu_seqlens=np.array(
         [0, 12, 2**63], np.uint64))), "past 2147483647"),
     "no routers": (dict(routers=[]), "no routers"),

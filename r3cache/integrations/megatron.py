@@ -74,9 +74,13 @@ def moe_routers(model: Any) -> list[Any]:
 
 
 def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: ReplayBatch,
-                   *, layers: str = "all", tp_rank: int = 0, tp_size: int = 1,
-                   cp_rank: int = 0, cp_size: int = 1) -> list[np.ndarray]:
-    """Each router's target indices ``[local_tokens, topk]`` (int64), in ``routers`` order."""
+                   *, layers: str = "all", tp_rank: int | None = None, tp_size: int = 1,
+                   cp_rank: int | None = None, cp_size: int = 1) -> list[np.ndarray]:
+    """Each router's target indices ``[local_tokens, topk]`` (int64), in ``routers`` order.
+
+    A size above 1 needs this process's rank in it (``tp_rank``, ``cp_rank``): each rank
+    routes a share of its own.
+    """
     if layers not in ("all", "moe"):
         raise ReplayError(f"layers must be 'all' or 'moe', not {layers!r}")
     tp_rank, tp_size, cp_rank, cp_size = _parallel_share(tp_rank, tp_size, cp_rank, cp_size)
@@ -132,8 +136,8 @@ def replay_targets(routers: Sequence[Any], routes: Sequence[np.ndarray], batch: 
 
 
 def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: Sequence[Any],
-                        *, layers: str = "all", tp_rank: int = 0, tp_size: int = 1,
-                        cp_rank: int = 0, cp_size: int = 1
+                        *, layers: str = "all", tp_rank: int | None = None,
+                        tp_size: int = 1, cp_rank: int | None = None, cp_size: int = 1
                         ) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
     """(routes, targets) for each batch of request ids, padded to its longest sequence (its
     rows and last token), rounded up to a multiple of ``tp_size`` and, with context
@@ -168,9 +172,16 @@ def iter_replay_targets(reader: Any, batches: Sequence[Sequence[str]], routers: 
 def _parallel_share(tp_rank: Any, tp_size: Any, cp_rank: Any, cp_size: Any
                     ) -> tuple[int, int, int, int]:
     """The tensor- and context-parallel ranks and sizes as ints, each rank below its size:
-    a float would slice the token axis wrongly, or fail inside numpy."""
+    a float would slice the token axis wrongly, or fail inside numpy. A rank left out is 0
+    of a size of 1 only: on every other rank, rank 0's share would replay other tokens'
+    experts."""
     tp_size, cp_size = (count(v, n, 1, ReplayError) for v, n in ((tp_size, "tp_size"),
                                                                   (cp_size, "cp_size")))
+    for rank, size, name in ((tp_rank, tp_size, "tp"), (cp_rank, cp_size, "cp")):
+        if rank is None and size > 1:
+            raise ReplayError(f"{name}_size={size} needs {name}_rank, this process's rank "
+                              f"(each routes a share of the tokens of its own)")
+    tp_rank, cp_rank = (0 if rank is None else rank for rank in (tp_rank, cp_rank))
     tp_rank, cp_rank = (count(v, n, 0, ReplayError) for v, n in ((tp_rank, "tp_rank"),
                                                                   (cp_rank, "cp_rank")))
     if tp_rank >= tp_size:
@@ -312,12 +323,15 @@ def router_replay(model: Any, routes: Sequence[np.ndarray], batch: ReplayBatch, 
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = moe_routers(model)
+    for rank, size, name in ((tp_rank, tp_size, "tp"), (cp_rank, cp_size, "cp")):
+        if size is None and rank is not None:  # Megatron's group would override it
+            raise ReplayError(f"{name}_rank={rank!r:.20} needs {name}_size with it")
     if tp_size is None:
         tp_rank, tp_size = _sequence_parallel_share(routers[0].config)
     if cp_size is None:
         cp_rank, cp_size = _context_parallel_share(routers[0].config)
-    targets = replay_targets(routers, routes, batch, layers=layers, tp_rank=tp_rank or 0,
-                             tp_size=tp_size, cp_rank=cp_rank or 0, cp_size=cp_size)
+    targets = replay_targets(routers, routes, batch, layers=layers, tp_rank=tp_rank,
+                             tp_size=tp_size, cp_rank=cp_rank, cp_size=cp_size)
     try:
         for router, target in zip(routers, targets):
             router.router_replay.set_target_indices(torch.from_numpy(target).to(device))
