@@ -79,14 +79,13 @@ def physical_memory() -> int | None:
         return None
 
 
-def fits_memory(nbytes: int, name: str) -> int:
-    """``nbytes``, or a ContractError where it exceeds this machine's physical memory: an
+def fits_memory(nbytes: int, name: str) -> None:
+    """A ContractError where ``nbytes`` exceeds this machine's physical memory: an
     in-process bound that large is never reached (the process runs out of memory first),
     and what is mapped and counted for it up front fails at once."""
     total = physical_memory()
     if total is not None and nbytes > total:
         raise ContractError(f"{name}={nbytes} exceeds this machine's memory ({total} bytes)")
-    return nbytes
 
 
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True,

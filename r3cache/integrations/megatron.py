@@ -180,10 +180,9 @@ def _parallel_share(tp_rank: Any, tp_size: Any, cp_rank: Any, cp_size: Any
     for rank, size, name in ((tp_rank, tp_size, "tp"), (cp_rank, cp_size, "cp")):
         if rank is None and size > 1:
             raise ReplayError(f"{name}_size={size} needs {name}_rank, this process's rank "
-                              f"(each routes a share of the tokens of its own)")
-    tp_rank, cp_rank = (0 if rank is None else rank for rank in (tp_rank, cp_rank))
-    tp_rank, cp_rank = (count(v, n, 0, ReplayError) for v, n in ((tp_rank, "tp_rank"),
-                                                                  (cp_rank, "cp_rank")))
+                              f"(each rank routes its own share of the tokens)")
+    tp_rank, cp_rank = (count(0 if v is None else v, n, 0, ReplayError)
+                        for v, n in ((tp_rank, "tp_rank"), (cp_rank, "cp_rank")))
     if tp_rank >= tp_size:
         raise ReplayError(f"tensor-parallel rank {tp_rank} of tp_size={tp_size}")
     if cp_rank >= cp_size:
