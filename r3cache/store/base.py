@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -68,6 +68,16 @@ def check_targets(layout: RoutingLayout, keys: Sequence[str],
                 f"a read_into target is a writeable C-contiguous {dtype} array of shape "
                 f"{shape}, not {type(target).__name__} "
                 f"{getattr(target, 'shape', '')} {getattr(target, 'dtype', '')}")
+
+
+def read_concatenated(layout: RoutingLayout, keys: Sequence[str],
+                      read_into: Callable[[Sequence[str], list[np.ndarray]], None]
+                      ) -> np.ndarray:
+    """The rows of ``keys``' blocks one after another: one array, each block read into its
+    place in it by ``read_into`` (a store's own)."""
+    out = np.empty((len(keys) * layout.block_size, *layout.row_shape), layout.dtype)
+    read_into(keys, list(out.reshape(len(keys), *layout.block_shape)))
+    return out
 
 
 def check_put(layout: RoutingLayout, objects: Mapping[str, np.ndarray],

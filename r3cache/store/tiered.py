@@ -15,7 +15,13 @@ from r3cache.errors import (
     StoreUnavailableError,
 )
 from r3cache.manifest import Manifest
-from r3cache.store.base import BlockStore, StoreStats, check_put, check_targets
+from r3cache.store.base import (
+    BlockStore,
+    StoreStats,
+    check_put,
+    check_targets,
+    read_concatenated,
+)
 from r3cache.store.memory import MemoryBlockStore
 from r3cache.store.writers.background import BackgroundBlockStore
 from r3cache.store.writers.process import ProcessWriter
@@ -91,10 +97,7 @@ class TieredBlockStore:
             return self.local.get_concatenated(keys)  # the common case: all local
         except BlockNotFoundError:
             pass
-        bs = self.layout.block_size
-        out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
-        self.read_into(keys, [out[n * bs : (n + 1) * bs] for n in range(len(keys))])
-        return out
+        return read_concatenated(self.layout, keys, self.read_into)
 
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
         check_targets(self.layout, keys, targets)

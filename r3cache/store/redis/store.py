@@ -36,6 +36,7 @@ from r3cache.store.base import (
     check_keys,
     check_put,
     check_targets,
+    read_concatenated,
 )
 from r3cache.store.redis.errors import redis_errors
 from r3cache.store.redis.keys import NAMESPACES_KEY, KeySchema, check_name, manifest_owner
@@ -520,10 +521,7 @@ class RedisBlockStore:
 
     def get_concatenated(self, keys: Sequence[str]) -> np.ndarray:
         check_key_types(keys)
-        bs = self.layout.block_size
-        out = np.empty((len(keys) * bs, *self.layout.row_shape), self.layout.dtype)
-        self._decode_into(keys, [out[n * bs : (n + 1) * bs] for n in range(len(keys))])
-        return out
+        return read_concatenated(self.layout, keys, self._decode_into)
 
     def read_into(self, keys: Sequence[str], targets: Sequence[np.ndarray]) -> None:
         """Decode block ``keys[i]`` into ``targets[i]`` (C-contiguous, ``block_shape``)."""
