@@ -629,6 +629,26 @@ def test_a_size_in_r3cache_url_is_read_as_the_memory_stores_max_bytes_is():
             open_store(f"memory://?max_bytes={value}", layout=LAYOUT, namespace="n")
 
 
+def test_r3cache_url_connector_options_are_checked_before_the_store_opens():
+    """Opening the store writes its namespace and registers an owner: a value that only
+    the connector refused, after the open, left both behind."""
+    from r3cache.integrations import sglang, vllm
+
+    bad = {"store_wait": ("inf", "nan", "-1", "1e12"), "writer": ("bogus", "Thread"),
+           "on_unavailable": ("ignore",), "local_tier_bytes": ("-5", "1e20")}
+    for option, values in bad.items():
+        for value in values:
+            with pytest.raises(ContractError, match=option):
+                vllm.split_url(f"redis://h/0?{option}={value}")
+    for option in ("store_wait", "writer"):
+        with pytest.raises(ContractError, match=option):
+            engine.split_url(f"redis://h/0?{option}={bad[option][0]}", sglang._OPTIONS)
+    assert vllm.split_url("redis://h/0?store_wait=2.5&writer=thread&on_unavailable=incomplete"
+                          "&local_tier_bytes=0&idle_ttl=9") == (
+        "redis://h/0?idle_ttl=9", {"store_wait": 2.5, "writer": "thread",
+                                   "on_unavailable": "incomplete", "local_tier_bytes": 0})
+
+
 @pytest.mark.parametrize("value,inline", [("0", False), ("off", False), ("No", False),
                                           ("false", False), ("1", True), ("on", True),
                                           ("", True), (None, True)])

@@ -13,9 +13,11 @@ from urllib.parse import urlencode
 
 import xxhash
 
+from r3cache import checks
 from r3cache.checks import flag, url_options
 from r3cache.errors import ContractError, IntegrationError
 from r3cache.store.urls import url_parts
+from r3cache.store.writers import check_policy, check_writer
 
 
 def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str, dict[str, Any]]:
@@ -38,6 +40,31 @@ def split_url(url: str, known: Mapping[str, Callable[[str], Any]]) -> tuple[str,
     # The URL before its query as given: urlunsplit would write unix:///run/redis.sock as
     # unix:/run/redis.sock, which redis-py cannot parse.
     return url.partition("?")[0] + ("?" + rest if rest else ""), options
+
+
+# Parsers of the connector options a plugin takes from R3CACHE_URL's query: each value is
+# checked as the connector checks it, before the store opens (opening one writes its
+# namespace and registers an owner).
+
+
+def store_wait(value: str) -> float:
+    return checks.seconds(float(value), "store_wait")
+
+
+def writer(value: str) -> str:
+    check_writer(value)
+    return value
+
+
+def on_unavailable(value: str) -> str:
+    check_policy(value)
+    return value
+
+
+def local_tier_bytes(value: str) -> int:
+    nbytes = checks.count(checks.byte_size(value), "local_tier_bytes")
+    checks.fits_memory(nbytes, "local_tier_bytes")
+    return nbytes
 
 
 def embedded(url: str) -> bool:

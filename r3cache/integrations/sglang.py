@@ -53,7 +53,8 @@ _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 # plugin stops the scheduler rather than guess.
 _TARGETS = (f"{_PROCESSOR}._maybe_collect_routed_experts",
             f"{_SCHEDULER}.init_batch_result_processor")
-_OPTIONS = {"store_wait": float, "writer": str, "block_size": int, "hash_algo": str}
+_OPTIONS = {"store_wait": engine.store_wait, "writer": engine.writer, "block_size": int,
+            "hash_algo": str}
 
 
 class _Plugin:

@@ -36,7 +36,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from r3cache.checks import byte_size
 from r3cache.connector.metadata import PackedHashes, StepBatch, StepMetadata
 from r3cache.connector.worker import WorkerConnector
 from r3cache.errors import ContractError, IntegrationError
@@ -63,8 +62,8 @@ _API = {
 }
 _SCHEDULER_METHODS = ("build_connector_meta", "request_finished", "take_output", "reset")
 # WorkerConnector options that may ride on R3CACHE_URL's query.
-_CONNECTOR_OPTIONS = {"on_unavailable": str, "store_wait": float, "writer": str,
-                      "local_tier_bytes": byte_size}
+_CONNECTOR_OPTIONS = {"on_unavailable": engine.on_unavailable, "store_wait": engine.store_wait,
+                      "writer": engine.writer, "local_tier_bytes": engine.local_tier_bytes}
 
 
 def register() -> None:

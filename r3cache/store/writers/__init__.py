@@ -15,6 +15,11 @@ WRITERS = ("auto", "thread", "process")
 POLICIES = ("raise", "incomplete")
 
 
+def check_writer(writer: object) -> None:
+    if writer not in WRITERS:
+        raise ContractError(f"writer must be 'auto', 'thread' or 'process', not {writer!r:.40}")
+
+
 def check_policy(on_unavailable: object) -> None:
     if on_unavailable not in POLICIES:
         raise ContractError(f"on_unavailable must be one of {POLICIES}, not "
@@ -33,8 +38,7 @@ def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
     embedded store's cost with Redis behind it, but it knows only the "raise" policy and
     needs a store it can reopen (Redis), so anything else gets the thread.
     """
-    if writer not in WRITERS:
-        raise ContractError(f"writer must be 'auto', 'thread' or 'process', not {writer!r}")
+    check_writer(writer)
     check_policy(on_unavailable)
     if isinstance(store, MemoryBlockStore):
         if writer == "process":
