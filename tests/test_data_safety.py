@@ -643,6 +643,11 @@ def test_r3cache_url_connector_options_are_checked_before_the_store_opens():
     for option in ("store_wait", "writer"):
         with pytest.raises(ContractError, match=option):
             engine.split_url(f"redis://h/0?{option}={bad[option][0]}", sglang._OPTIONS)
+    # Values that cannot serve together, or with the store the URL names.
+    for url in ("redis://h/0?writer=process&on_unavailable=incomplete",
+                "memory://?writer=process"):
+        with pytest.raises(ContractError, match="writer='process'"):
+            vllm.split_url(url)
     assert vllm.split_url("redis://h/0?store_wait=2.5&writer=thread&on_unavailable=incomplete"
                           "&local_tier_bytes=0&idle_ttl=9") == (
         "redis://h/0?idle_ttl=9", {"store_wait": 2.5, "writer": "thread",

@@ -43,6 +43,7 @@ from r3cache.integrations import engine
 from r3cache.layout import RoutingLayout
 from r3cache.manifest import Completion, check_request_id
 from r3cache.store import open_store
+from r3cache.store.writers import check_choice
 
 log = logging.getLogger("r3cache.vllm")
 
@@ -510,8 +511,13 @@ def _publish_metrics(rank: int) -> None:
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:
-    """R3CACHE_URL as (the store URL, the WorkerConnector options in its query)."""
-    return engine.split_url(url, _CONNECTOR_OPTIONS)
+    """R3CACHE_URL as (the store URL, the WorkerConnector options in its query), the
+    options checked as the connector will check them with that store."""
+    store_url, options = engine.split_url(url, _CONNECTOR_OPTIONS)
+    # The WorkerConnector's defaults where the URL gives none.
+    check_choice(options.get("writer", "auto"), options.get("on_unavailable", "raise"),
+                 engine.embedded(store_url))
+    return store_url, options
 
 
 def default_namespace(model_config) -> str:

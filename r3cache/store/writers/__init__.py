@@ -26,6 +26,22 @@ def check_policy(on_unavailable: object) -> None:
                             f"{on_unavailable!r:.40}")
 
 
+def check_choice(writer: object, on_unavailable: object, embedded: bool) -> None:
+    """Refuse a writer and a policy that cannot serve a store together, before any store
+    opens (``embedded``: the store in this process)."""
+    check_writer(writer)
+    check_policy(on_unavailable)
+    if writer != "process":
+        return
+    if embedded:
+        raise ContractError("writer='process' cannot serve the embedded store (a helper "
+                            "process cannot reach this process's memory): use 'auto' or "
+                            "'thread'")
+    if on_unavailable != "raise":
+        # Said here rather than ignored: the helper process only knows "raise".
+        raise ContractError("writer='process' supports on_unavailable='raise' only")
+
+
 def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
     """``inline``, ``thread`` or ``process``: how an engine writes to ``store``.
 
@@ -38,18 +54,11 @@ def choose_writer(store: Any, writer: str, on_unavailable: str) -> str:
     embedded store's cost with Redis behind it, but it knows only the "raise" policy and
     needs a store it can reopen (Redis), so anything else gets the thread.
     """
-    check_writer(writer)
-    check_policy(on_unavailable)
-    if isinstance(store, MemoryBlockStore):
-        if writer == "process":
-            raise ContractError("writer='process' cannot serve the embedded store (a helper "
-                                "process cannot reach this process's memory): use 'auto' "
-                                "or 'thread'")
+    embedded = isinstance(store, MemoryBlockStore)
+    check_choice(writer, on_unavailable, embedded)
+    if embedded:
         return "thread" if writer == "thread" else "inline"
     if writer == "auto":
         reopenable = getattr(store, "reopen_args", None) is not None
         return "process" if reopenable and on_unavailable == "raise" else "thread"
-    if writer == "process" and on_unavailable != "raise":
-        # Said here rather than ignored: the helper process only knows "raise".
-        raise ContractError("writer='process' supports on_unavailable='raise' only")
     return writer
