@@ -156,9 +156,10 @@ def _gc_parser(sub: argparse._SubParsersAction) -> None:
         "gc",
         help="release the holds of engines whose lease expired (crashed owners)",
         description=(
-            "Every engine that opens a namespace keeps a heartbeat key with a TTL. "
-            "gc finds owners whose heartbeat expired and drops their holds, so the "
-            "blocks they pinned get the idle TTL. Engines also run it when they start."
+            "Every engine that opens a namespace holds a lease (an expiry in the "
+            "namespace's owners hash) that its heartbeat extends. gc finds owners whose "
+            "lease expired, and holders no owner entry names, and drops their holds, so "
+            "the blocks they pinned get the idle TTL. Engines also run it when they start."
         ),
     )
     gc.add_argument("url", help="redis://, rediss://, unix:// or redis+cluster:// URL")
