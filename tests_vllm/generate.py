@@ -2,7 +2,7 @@
 
     python generate.py MODEL OUT.npz --prompts P.json [--max-tokens N] [--rounds R] [--n N]
         [--request-ids IDS.json] [--new-weights] [--pause-at STEP ...]
-        [--abort-at-pause ID] [--abort-preempted] [--kv-blocks N]
+        [--abort-at-pause ID] [--abort-preempted] [--kv-blocks N] [--no-routed-experts]
 
 The environment decides the rest (R3CACHE_URL and friends, vLLM's CPU settings). Each
 round sends every prompt once; OUT.npz holds each completion's token ids and inline
@@ -137,12 +137,15 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=None, metavar="N",
                         help="a KV cache of N blocks, few enough that requests are "
                         "preempted and recomputed")
+    parser.add_argument("--no-routed-experts", action="store_true",
+                        help="without enable_return_routed_experts")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype="bfloat16", block_size=32, max_model_len=1024,
-              enable_prefix_caching=True, enable_return_routed_experts=True, max_num_seqs=8,
+              enable_prefix_caching=True,
+              enable_return_routed_experts=not args.no_routed_experts, max_num_seqs=8,
               max_num_batched_tokens=512, enforce_eager=not args.cuda_graphs, seed=0,
               num_gpu_blocks_override=args.kv_blocks)
     preemptions = _count_preemptions(llm)

@@ -314,6 +314,21 @@ def test_the_engine_refuses_to_start_on_a_store_it_cannot_use(model, redis_url, 
     assert "StoreUnavailableError" in log
 
 
+def test_an_engine_without_routed_experts_refuses_to_start(model, redis_url, namespace,
+                                                           tmp_path):
+    """Without --enable-return-routed-experts vLLM builds no connector: the engine would
+    record nothing while its trainer waits for manifests."""
+    log = failed(run_vllm(model, tmp_path, grpo_prompts(1)[:1], background=True,
+                          extra=("--no-routed-experts",),
+                          env={"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace}))
+    assert "IntegrationError" in log and "--enable-return-routed-experts" in log, log[-3000:]
+    assert namespace not in list_namespaces(redis_url)
+    # Without R3CACHE_URL the plugin leaves such an engine alone.
+    run = run_vllm(model, tmp_path, grpo_prompts(1)[:1], env={}, name="plain",
+                   extra=("--no-routed-experts",))
+    assert run.ids and run.routes(run.ids[0]) is None
+
+
 def test_a_vllm_with_another_connector_api_is_refused_by_name(monkeypatch):
     import vllm
     import vllm.v1.core.sched.scheduler as scheduler

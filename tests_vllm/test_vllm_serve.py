@@ -79,13 +79,12 @@ def _inline(choice: dict) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
 
 
-@pytest.fixture
-def server(cluster_url, model, tmp_path):
-    port, metrics_port = free_port(), free_port()
+def _start(command: str, model, port: int, metrics_port: int, tmp_path: Path):
+    """The README's `vllm serve` line (``command``) as a user runs it, on the tiny model."""
     template = tmp_path / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     # The tiny model on this CPU: a short context, small blocks, eager, a chat template.
-    command = (f"{_serve_command(cluster_url, model)} --port {port} --dtype bfloat16 "
+    command = (f"{command} --port {port} --dtype bfloat16 "
                f"--max-model-len 1024 --block-size 32 --enforce-eager --max-num-seqs 8 "
                f"--chat-template {template}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("R3CACHE_")}
@@ -97,6 +96,29 @@ def server(cluster_url, model, tmp_path):
     # A session of its own: the shell, vLLM's API server and its engine core stop together.
     process = subprocess.Popen(["bash", "-c", command], env=env, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
+    return process, log
+
+
+def test_vllm_serve_without_routed_experts_refuses_to_start(cluster_url, model, tmp_path):
+    """R3CACHE_URL set, the flag forgotten: the server stops with the reason, before an
+    engine process starts, rather than serve while recording nothing."""
+    command = _serve_command(cluster_url, model)
+    assert "--enable-return-routed-experts" in command
+    process, log = _start(command.replace(" --enable-return-routed-experts", ""), model,
+                          free_port(), free_port(), tmp_path)
+    with log:
+        assert process.wait(300) != 0
+    output = (tmp_path / "serve.log").read_text()
+    assert "IntegrationError" in output and "--enable-return-routed-experts" in output, \
+        output[-3000:]
+    assert "EngineCore" not in output, output[-3000:]  # refused in the API server's process
+
+
+@pytest.fixture
+def server(cluster_url, model, tmp_path):
+    port, metrics_port = free_port(), free_port()
+    process, log = _start(_serve_command(cluster_url, model), model, port, metrics_port,
+                          tmp_path)
     deadline = time.monotonic() + 300
     try:
         while True:

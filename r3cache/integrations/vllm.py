@@ -23,7 +23,8 @@ set; then, with ``--enable-return-routed-experts``:
 
 Options of the worker connector ride on the URL's query next to the store's
 (``on_unavailable``, ``store_wait``, ``writer``, ``local_tier_bytes``). Anything the plugin
-cannot do as asked (a vLLM whose connector API differs, a store it cannot reach, a
+cannot do as asked (an engine without ``--enable-return-routed-experts``, a vLLM whose
+connector API differs, a store it cannot reach, a
 namespace of another layout) raises at engine start.
 """
 
@@ -60,6 +61,7 @@ _API = {
     "vllm.distributed.parallel_state": ("get_tp_group",),
     "vllm.v1.request": ("Request",),
     "vllm.v1.engine.core_client": ("InprocClient",),
+    "vllm.engine.arg_utils": ("EngineArgs",),
 }
 _SCHEDULER_METHODS = ("build_connector_meta", "request_finished", "take_output", "reset")
 # WorkerConnector options that may ride on R3CACHE_URL's query.
@@ -88,6 +90,7 @@ def register() -> None:
     modules["vllm.v1.worker.gpu.model_runner"].get_aux_output_connector = worker_connector
     modules["vllm.v1.core.sched.scheduler"].AuxOutputSchedulerConnector = \
         _scheduler_connector_class(base)
+    _require_routed_experts(modules["vllm.engine.arg_utils"].EngineArgs)
     _keep_external_ids(modules["vllm.v1.request"].Request)
     _drain_terminal_events(modules["vllm.v1.engine.core_client"].InprocClient)
     _bridge_metrics()
@@ -155,6 +158,27 @@ def manifest_id(internal_id: str, external_id: str | None) -> str:
     if child and child.group(2).startswith(external_id) and internal_id != external_id:
         return f"{external_id}/{child.group(1)}"
     return external_id
+
+
+def _require_routed_experts(engine_args_class) -> None:
+    """An engine configured without ``--enable-return-routed-experts`` builds no connector:
+    with R3CACHE_URL set it would record nothing, and its trainer would wait for manifests
+    that never come. Its configuration is refused where it is made (``vllm serve``'s API
+    process, ``LLM``), before any engine process starts or loads the model."""
+    original = engine_args_class.create_engine_config
+    if getattr(original, "_r3cache", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        if not config.aux_output_config.enabled:
+            raise IntegrationError("R3CACHE_URL is set, but vLLM runs without "
+                                   "--enable-return-routed-experts: there are no routes to "
+                                   "store. Pass the flag, or unset R3CACHE_URL.")
+        return config
+
+    create_engine_config._r3cache = True
+    engine_args_class.create_engine_config = create_engine_config
 
 
 def _keep_external_ids(request_class) -> None:
