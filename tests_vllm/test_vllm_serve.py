@@ -79,7 +79,7 @@ def _inline(choice: dict) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
 
 
-def _start(command: str, model, port: int, metrics_port: int, tmp_path: Path):
+def _start(command: str, port: int, metrics_port: int, tmp_path: Path):
     """The README's `vllm serve` line (``command``) as a user runs it, on the tiny model."""
     template = tmp_path / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
@@ -104,10 +104,15 @@ def test_vllm_serve_without_routed_experts_refuses_to_start(cluster_url, model, 
     engine process starts, rather than serve while recording nothing."""
     command = _serve_command(cluster_url, model)
     assert "--enable-return-routed-experts" in command
-    process, log = _start(command.replace(" --enable-return-routed-experts", ""), model,
+    process, log = _start(command.replace(" --enable-return-routed-experts", ""),
                           free_port(), free_port(), tmp_path)
-    with log:
-        assert process.wait(300) != 0
+    try:
+        returncode = process.wait(300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever it left running
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+    assert returncode != 0
     output = (tmp_path / "serve.log").read_text()
     assert "IntegrationError" in output and "--enable-return-routed-experts" in output, \
         output[-3000:]
@@ -117,8 +122,7 @@ def test_vllm_serve_without_routed_experts_refuses_to_start(cluster_url, model, 
 @pytest.fixture
 def server(cluster_url, model, tmp_path):
     port, metrics_port = free_port(), free_port()
-    process, log = _start(_serve_command(cluster_url, model), model, port, metrics_port,
-                          tmp_path)
+    process, log = _start(_serve_command(cluster_url, model), port, metrics_port, tmp_path)
     deadline = time.monotonic() + 300
     try:
         while True:

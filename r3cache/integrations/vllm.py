@@ -24,8 +24,8 @@ set; then, with ``--enable-return-routed-experts``:
 Options of the worker connector ride on the URL's query next to the store's
 (``on_unavailable``, ``store_wait``, ``writer``, ``local_tier_bytes``). Anything the plugin
 cannot do as asked (an engine without ``--enable-return-routed-experts``, a vLLM whose
-connector API differs, a store it cannot reach, a
-namespace of another layout) raises at engine start.
+connector API differs, a store it cannot reach, a namespace of another layout) raises at
+engine start.
 """
 
 from __future__ import annotations
