@@ -35,8 +35,13 @@ def test_oracle_rows_depend_on_the_whole_prefix_and_hold_distinct_experts():
     assert a.dtype == np.uint8 and a.max() < 8
 
 
-# Scheduler and store settings drawn for each random workload.
+# Layout, scheduler and store settings drawn for each random workload. The layouts take
+# each row width the connector treats apart: uint8, uint16 and int32 IDs, and rows of
+# eight bytes (the one-pass ID check's words) among others.
 WORKLOAD = dict(
+    layers=st.integers(1, 4),
+    topk=st.integers(1, 4),
+    experts=st.sampled_from([8, 300, 70000]),
     seed=st.integers(0, 2**31),
     block_size=st.sampled_from([1, 4, 16]),
     spec=st.integers(0, 4),
@@ -52,10 +57,11 @@ WORKLOAD = dict(
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 
 
-def check_random_workload(store_url, writer, seed, block_size, spec, reject_prob, async_depth,
-                          budget, kv_slack, max_num_seqs, prefix_caching, reset, clear_every):
+def check_random_workload(store_url, writer, layers, topk, experts, seed, block_size, spec,
+                          reject_prob, async_depth, budget, kv_slack, max_num_seqs,
+                          prefix_caching, reset, clear_every):
     """Run one random workload end to end; every row and every manifest must verify."""
-    layout = RoutingLayout(3, 2, 300, block_size)
+    layout = RoutingLayout(layers, topk, experts, block_size)
     workload = random_workload(seed, num_requests=10, block_size=block_size)
     longest = max(len(r.tokens) for r in workload)
     config = SimConfig(
@@ -66,8 +72,9 @@ def check_random_workload(store_url, writer, seed, block_size, spec, reject_prob
         clear_local_tier_every=clear_every,  # Redis backends: the in-process tier is dropped
     )
     options = {} if store_url.startswith("memory") else {"idle_ttl": 120}
+    namespace = f"{SESSION}-sim-{writer}-{seed}-{layers}x{topk}x{experts}-{block_size}"
     report = simulate(workload, layout, config, store_url=store_url, writer=writer,
-                      namespace=f"{SESSION}-sim-{writer}-{seed}-{block_size}", **options)
+                      namespace=namespace, **options)
     assert report.failures == []
     assert report.rows_verified == sum(len(r.tokens) - 1 - r.prompt_start for r in workload)
     # Every request was read back from its manifest.
