@@ -7,6 +7,8 @@ reclaimed; every engine-side wait is bounded; bad input is refused before any ef
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing
 import os
 import signal
 import socket
@@ -41,8 +43,8 @@ from r3cache.errors import (
 from r3cache.hashing import block_hashes
 from r3cache.integrations import engine
 from r3cache.manifest import BlockRef, Completion, Manifest
-from r3cache.sim import oracle_rows
-from r3cache.store.redis.janitor import holders, reclaim_dead_owners
+from r3cache.sim import OracleRoutes, SimConfig, oracle_rows, random_workload, simulate
+from r3cache.store.redis.janitor import holders, reclaim_dead_owners, scan_keys
 from r3cache.store.writers.process import spawn_writer
 from r3cache.testing import RedisServer
 from tests.conftest import wait_for
@@ -160,6 +162,67 @@ def test_a_conflicting_replica_never_gets_the_other_rows(redis_url, namespace, w
         worker.close()
         first.put({}, release_keys=["k"])
         first.close()
+
+
+def _replica(url: str, namespace: str, tag: str, weights: int, writer: str, seed: int,
+             results) -> None:
+    """One replica's engine, in a process of its own: the workload of ``seed`` under ids
+    of its own, routed by weights ``weights`` (other weights route the same tokens anew)."""
+    layout = RoutingLayout(2, 2, 300, 4)
+    workload = [dataclasses.replace(r, req_id=f"{tag}-{r.req_id}")
+                for r in random_workload(seed, num_requests=10, block_size=4)]
+    routes = OracleRoutes(layout, np.random.default_rng(seed))
+    routes.weights = weights
+    longest = max(len(r.tokens) for r in workload)
+    config = SimConfig(max_num_seqs=6, max_num_batched_tokens=48, num_spec_tokens=2,
+                       num_kv_blocks=-(-longest // 4) + 12, clear_local_tier_every=3,
+                       seed=seed + weights)
+    report = simulate(workload, layout, config, routes=routes, store_url=url, writer=writer,
+                      namespace=namespace, idle_ttl=120)
+    expected = sum(len(r.tokens) - 1 - r.prompt_start for r in workload)
+    results.put((tag, report.failures, report.rows_verified, expected,
+                 report.manifests_verified, len(workload)))
+
+
+@pytest.mark.parametrize("backend", ["redis_url", "cluster_url"])
+def test_replicas_of_other_weights_writing_one_namespace_at_once_get_their_own_rows(
+        request, backend, namespace, reliability):
+    """Three engines at once on one namespace with the same prompts, one on other weights
+    (an async RL loop whose weight update reaches its replicas at different times): under
+    every block key the replicas disagree, their tiers are dropped every third step, and
+    every request, online and from its manifest, gets its own engine's rows."""
+    url = request.getfixturevalue(backend)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    replicas = [context.Process(target=_replica, args=(url, namespace, tag, weights, writer,
+                                                       7, results))
+                for tag, weights, writer in [("a", 0, "process"), ("b", 1, "thread"),
+                                             ("c", 0, "process")]]
+    for process in replicas:
+        process.start()
+    try:
+        reports = [results.get(timeout=120) for _ in replicas]
+    finally:
+        for process in replicas:
+            process.join(30)
+    reports.sort()
+    assert [report[:2] for report in reports] == [(tag, []) for tag in "abc"]
+    for _, _, verified, expected, manifests, requests in reports:
+        assert (verified, manifests) == (expected, requests)
+    store = open_store(url, layout=None, namespace=namespace)
+    try:
+        variants = [k for k in scan_keys(store, store.keys.blocks_pattern) if b"~" in k]
+    finally:
+        store.close()
+    assert variants  # the replicas did write conflicting rows under the same keys
+    where = "6-node cluster" if backend == "cluster_url" else "standalone Redis"
+    reliability(f"three engines at once on one namespace ({where}), one on other weights, "
+                "each dropping its local tier every third step",
+                "the same 10 random requests each (spec decode, prefix hits), helper "
+                "writer twice, thread writer once",
+                "every request's rows, online and from its manifest, are its own engine's",
+                f"{sum(r[2] for r in reports)} rows and {sum(r[4] for r in reports)} "
+                f"manifests verified; {len(variants)} variant blocks written")
 
 
 def test_own_rows_win_past_any_count_of_conflicts(redis_url, namespace, reliability):
