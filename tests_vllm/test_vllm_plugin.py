@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import redis
 from conftest import failed, finish, grpo_prompts, run_vllm
@@ -56,6 +57,32 @@ def test_routes_in_the_store_equal_vllms_inline_routes(request, backend, model, 
     # 2 blocks of the shared system prompt + 1 per prompt group, each stored once.
     assert stats.blocks == 5 and stats.manifests == 18
     # The second round's prefix-cache hits were served from r3cache's store.
+    assert run.report["blocks_read"] > 0
+
+
+def long_prompts() -> list[str]:
+    """Prompts longer than the engine's 512-token step budget (711-900 tokens), so each is
+    prefilled in chunks: a 600-token shared prefix, three groups of two samples each with
+    their own 50-250 tokens, and one prompt of its own."""
+    words = np.random.default_rng(5).integers(10, 400, 600 + 3 * 250 + 900)
+    text = [f"w{w}" for w in words]
+    shared, own, alone = text[:600], text[600:1350], text[1350:]
+    prompts = [" ".join(shared + own[250 * g : 250 * g + [111, 164, 232][g]])
+               for g in range(3) for _ in range(2)]
+    return [*prompts, " ".join(alone)]
+
+
+def test_prompts_prefilled_in_chunks_store_vllms_own_routes(model, redis_url, namespace,
+                                                            tmp_path):
+    own = run_vllm(model, tmp_path, long_prompts(), env={}, max_tokens=40, rounds=2,
+                   name="own")
+    run = run_vllm(model, tmp_path, long_prompts(), max_tokens=40, rounds=2,
+                   env={"R3CACHE_URL": redis_url, "R3CACHE_NAMESPACE": namespace})
+    assert run.ids == own.ids and len(run.ids) == 14
+    for request_id in own.ids:
+        assert run.routes(request_id).tobytes() == own.routes(request_id).tobytes()
+    _assert_routes(redis_url, namespace, run)
+    # The shared prefix's blocks were read back for its hits, the second round's too.
     assert run.report["blocks_read"] > 0
 
 
