@@ -717,6 +717,45 @@ def test_r3cache_url_connector_options_are_checked_before_the_store_opens():
                                    "on_unavailable": "incomplete", "local_tier_bytes": 0})
 
 
+@pytest.mark.parametrize("variable,value,match", [
+    ("R3CACHE_URL", "redis://127.0.0.1:6379/0?idle_ttl=abc", "idle_ttl"),
+    ("R3CACHE_URL", "redis://127.0.0.1:6379/0?idle_tll=9", "idle_tll"),
+    ("R3CACHE_URL", "redis://127.0.0.1:port/0", "invalid port"),
+    ("R3CACHE_URL", "redis+cluster://h:7000,h:x", "invalid port"),
+    ("R3CACHE_URL", "redis://h:6379/0?ssl_ca_certs=/ca.pem", "ssl_ca_certs"),
+    ("R3CACHE_URL", "redis://h:6379/0?wait_replicas=1&wait_timeout=20", "wait_timeout"),
+    ("R3CACHE_URL", "memory://?max_bytes=1GB", "max_bytes"),
+    ("R3CACHE_URL", "memcached://h:11211", "scheme"),
+    ("R3CACHE_URL", "redis://h:6379/0?store_wait=inf", "store_wait"),
+    ("R3CACHE_NAMESPACE", "my model", "R3CACHE_NAMESPACE"),
+    ("R3CACHE_INLINE", "fasle", "R3CACHE_INLINE"),
+    ("R3CACHE_METRICS_PORT", "http", "R3CACHE_METRICS_PORT")])
+def test_each_plugin_checks_its_variables_before_the_engine_loads_a_model(
+        monkeypatch, variable, value, match):
+    """What the plugins check as they load (vLLM's API process, SGLang's before a scheduler
+    starts): every R3CACHE_* mistake the store or the connector would find, without a
+    server. Found where the store opens, it stopped the engine after its model loaded."""
+    from r3cache.integrations import sglang, vllm
+
+    monkeypatch.setenv("R3CACHE_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setenv(variable, value)
+    for split in (vllm.split_url, lambda url: engine.split_url(url, sglang._OPTIONS)):
+        with pytest.raises(ContractError, match=match):
+            engine.check_environment(split)
+
+
+def test_the_plugins_variables_as_the_readme_gives_them_pass(monkeypatch):
+    from r3cache.integrations import vllm
+
+    for url, namespace in [("redis+cluster://10.0.0.5:7000,10.0.0.6:7000", "Qwen3@main"),
+                           ("rediss://:secret@h:6380/2?idle_ttl=60&writer=thread", "a/b=c"),
+                           ("unix:///run/redis.sock?db=1", "x"),
+                           ("memory://?max_bytes=1e9", "any label at all")]:
+        monkeypatch.setenv("R3CACHE_URL", url)
+        monkeypatch.setenv("R3CACHE_NAMESPACE", namespace)
+        engine.check_environment(vllm.split_url)
+
+
 @pytest.mark.parametrize("value,inline", [("0", False), ("off", False), ("No", False),
                                           ("false", False), ("1", True), ("on", True),
                                           ("", True), (None, True)])

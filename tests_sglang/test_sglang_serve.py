@@ -80,6 +80,13 @@ def test_a_store_it_cannot_reach_stops_the_server(model):
     assert "StoreUnavailableError" in log, log[-3000:]
 
 
+def test_a_mistake_in_the_variables_stops_the_server(model, redis_url):
+    """Found as the plugin loads, in the scheduler's process before it loads the model."""
+    log = _refused(model, {"R3CACHE_URL": f"{redis_url}?idle_ttl=1h"})
+    assert "ContractError" in log and "idle_ttl" in log, log[-3000:]
+    assert "load_plugins" in log, log[-3000:]  # not where the store opens, after the model
+
+
 def test_without_routed_experts_the_server_does_not_start(model, redis_url):
     log = _refused(model, {"R3CACHE_URL": redis_url}, flags="")
     assert "--enable-return-routed-experts" in log and "IntegrationError" in log, log[-3000:]

@@ -341,6 +341,14 @@ def test_the_engine_refuses_to_start_on_a_store_it_cannot_use(model, redis_url, 
     assert "StoreUnavailableError" in log
 
 
+def test_a_mistake_in_the_variables_stops_the_engine_before_it_loads_the_model(
+        model, redis_url, tmp_path):
+    log = failed(run_vllm(model, tmp_path, grpo_prompts(1)[:1], background=True,
+                          env={"R3CACHE_URL": f"{redis_url}?idle_ttl=1h"}))
+    assert "ContractError" in log and "idle_ttl" in log, log[-3000:]
+    assert "Loading safetensors" not in log, log[-3000:]
+
+
 def test_an_engine_without_routed_experts_refuses_to_start(model, redis_url, namespace,
                                                            tmp_path):
     """Without --enable-return-routed-experts vLLM builds no connector: the engine would

@@ -16,6 +16,8 @@ import xxhash
 from r3cache import checks
 from r3cache.checks import flag, url_options
 from r3cache.errors import ContractError, IntegrationError
+from r3cache.store import check_url
+from r3cache.store.redis.keys import check_name
 from r3cache.store.urls import url_parts
 from r3cache.store.writers import check_policy, check_writer
 
@@ -65,6 +67,20 @@ def local_tier_bytes(value: str) -> int:
     nbytes = checks.count(checks.byte_size(value), "local_tier_bytes")
     checks.fits_memory(nbytes, "local_tier_bytes")
     return nbytes
+
+
+def check_environment(split: Callable[[str], tuple[str, dict[str, Any]]]) -> None:
+    """R3CACHE_URL (split by the plugin's ``split``: its store URL and the plugin's own
+    options), R3CACHE_NAMESPACE, R3CACHE_INLINE and R3CACHE_METRICS_PORT, checked as the
+    plugin and the store will check them, without a server. A plugin runs it as it loads,
+    so that a mistake in them stops the engine before it loads its model, not after."""
+    store_url, _ = split(os.environ["R3CACHE_URL"])
+    check_url(store_url)
+    namespace = os.environ.get("R3CACHE_NAMESPACE")
+    if namespace and not embedded(store_url):  # a Redis key's part; the embedded store's
+        check_name(namespace, "R3CACHE_NAMESPACE")  # namespace is only a label
+    inline()
+    metrics_port()
 
 
 def embedded(url: str) -> bool:

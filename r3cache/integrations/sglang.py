@@ -5,6 +5,8 @@ main process, its scheduler processes and its detokenizer. It does nothing unles
 ``R3CACHE_URL`` is set; then the server must run with ``--enable-return-routed-experts``,
 and:
 
+- a mistake in an ``R3CACHE_*`` variable stops each scheduler as it loads the plugin,
+  before it loads the model;
 - a ``memory://`` URL is refused: the store would live inside the scheduler, out of
   every trainer's reach;
 - each scheduler that hands out its batches' results (attention-TP rank 0; not with
@@ -73,12 +75,11 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    missing = [target for target in _TARGETS if not _resolves(target)]
-    if missing:
+    problem = _startup_problem()
+    if problem is not None:
         # SGLang logs a plugin's exception and serves on; a scheduler that cannot start
-        # is what tells the user their routes would not be stored.
-        problem = _differs(f"missing {', '.join(missing)}")
-
+        # (before it loads the model) is what tells the user their routes would not be
+        # stored.
         def refuse(*args, **kwargs):
             raise problem
 
@@ -86,6 +87,19 @@ def register() -> None:
         raise problem
     HookRegistry.register(_TARGETS[1], _open_publisher, HookType.AFTER)
     HookRegistry.register(_TARGETS[0], _publish, HookType.AFTER)
+
+
+def _startup_problem() -> R3Error | None:
+    """Why this SGLang cannot store routes as the R3CACHE_* variables ask, or None: an
+    API the plugin does not know, or a mistake in the variables."""
+    missing = [target for target in _TARGETS if not _resolves(target)]
+    if missing:
+        return _differs(f"missing {', '.join(missing)}")
+    try:
+        engine.check_environment(lambda url: engine.split_url(url, _OPTIONS))
+    except R3Error as exc:
+        return exc
+    return None
 
 
 def _resolves(target: str) -> bool:

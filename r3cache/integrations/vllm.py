@@ -23,9 +23,9 @@ set; then, with ``--enable-return-routed-experts``:
 
 Options of the worker connector ride on the URL's query next to the store's
 (``on_unavailable``, ``store_wait``, ``writer``, ``local_tier_bytes``). Anything the plugin
-cannot do as asked (an engine without ``--enable-return-routed-experts``, a vLLM whose
-connector API differs, a store it cannot reach, a namespace of another layout) raises at
-engine start.
+cannot do as asked (a mistake in an ``R3CACHE_*`` variable, found as the plugin loads; an
+engine without ``--enable-return-routed-experts``; a vLLM whose connector API differs; a
+store it cannot reach; a namespace of another layout) raises at engine start.
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ def register() -> None:
     """The entry point: rebind vLLM's connector factories when R3CACHE_URL is set."""
     if not os.environ.get("R3CACHE_URL"):
         return
+    # vLLM loads this in its API process as it starts: a mistake in the variables stops
+    # it there, not in the engine core once the model is loaded.
+    engine.check_environment(split_url)
     import importlib
 
     modules = {name: _import(importlib, name) for name in _API}

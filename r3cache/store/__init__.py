@@ -14,8 +14,8 @@ from r3cache.store.urls import display_url, url_parts, without_engine_options
 from r3cache.store.writers.background import BackgroundBlockStore
 
 __all__ = [
-    "BackgroundBlockStore", "BlockStore", "MemoryBlockStore", "StoreStats", "display_url",
-    "open_store", "without_engine_options",
+    "BackgroundBlockStore", "BlockStore", "MemoryBlockStore", "StoreStats", "check_url",
+    "display_url", "open_store", "without_engine_options",
 ]
 
 _INT_OPTIONS = {"max_bytes"}
@@ -37,33 +37,54 @@ def open_store(
     """
     if not isinstance(namespace, str) or not namespace:
         raise ContractError("namespace must be a non-empty string tied to the model weights")
-    if not isinstance(url, str):
-        raise ContractError(f"a store URL is a str, not {type(url).__name__}")
-    parts = url_parts(url)
-    if parts.scheme == "memory":
+    if _scheme(url) == "memory":
         if layout is None:
             raise ContractError("memory:// needs a layout")
-        if parts.netloc or parts.path.strip("/") or "#" in url:
-            # "memory://1GB" would open a store of the default size.
-            raise ContractError("memory:// names no host or path; size it with "
-                                "?max_bytes=")
-        merged: dict[str, Any] = {**url_options(parts.query), **options}
-        unknown = sorted(merged.keys() - _MEMORY_OPTIONS)
-        if unknown:
-            raise ContractError(f"unknown memory store option(s) {', '.join(unknown)}; it "
-                                f"takes {', '.join(sorted(_MEMORY_OPTIONS))}")
-        for name in _INT_OPTIONS & merged.keys():
-            try:
-                merged[name] = byte_size(merged[name])
-            except (TypeError, ValueError):
-                raise ContractError(f"store option {name} must be a number, not "
-                                    f"{merged[name]!r}") from None
-        return MemoryBlockStore(layout, namespace, **merged)
-    if parts.scheme in REDIS_SCHEMES:
-        from r3cache.store.redis.connect import open_redis_store
+        return MemoryBlockStore(layout, namespace, **_memory_options(url, options))
+    from r3cache.store.redis.connect import open_redis_store
 
-        return open_redis_store(url, layout=layout, namespace=namespace, **options)
-    raise ContractError(
-        f"unsupported store URL scheme {parts.scheme!r}; use memory:// or one of "
-        + ", ".join(f"{s}://" for s in REDIS_SCHEMES)
-    )
+    return open_redis_store(url, layout=layout, namespace=namespace, **options)
+
+
+def check_url(url: str, **options: Any) -> None:
+    """Every check ``open_store`` makes of ``url`` and ``options`` before it needs a
+    server: an engine plugin runs it as it loads, so that a mistyped R3CACHE_URL stops
+    the engine before it loads a model rather than after."""
+    if _scheme(url) == "memory":
+        _memory_options(url, options)
+    else:
+        from r3cache.store.redis.connect import parse
+
+        parse(url, options)
+
+
+def _scheme(url: str) -> str:
+    """The scheme of a store URL r3cache can open, or a ContractError."""
+    if not isinstance(url, str):
+        raise ContractError(f"a store URL is a str, not {type(url).__name__}")
+    scheme = url_parts(url).scheme
+    if scheme != "memory" and scheme not in REDIS_SCHEMES:
+        raise ContractError(
+            f"unsupported store URL scheme {scheme!r}; use memory:// or one of "
+            + ", ".join(f"{s}://" for s in REDIS_SCHEMES))
+    return scheme
+
+
+def _memory_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The embedded store's options, from ``url``'s query and ``options``, checked."""
+    parts = url_parts(url)
+    if parts.netloc or parts.path.strip("/") or "#" in url:
+        # "memory://1GB" would open a store of the default size.
+        raise ContractError("memory:// names no host or path; size it with ?max_bytes=")
+    merged: dict[str, Any] = {**url_options(parts.query), **options}
+    unknown = sorted(merged.keys() - _MEMORY_OPTIONS)
+    if unknown:
+        raise ContractError(f"unknown memory store option(s) {', '.join(unknown)}; it "
+                            f"takes {', '.join(sorted(_MEMORY_OPTIONS))}")
+    for name in _INT_OPTIONS & merged.keys():
+        try:
+            merged[name] = byte_size(merged[name])
+        except (TypeError, ValueError):
+            raise ContractError(f"store option {name} must be a number, not "
+                                f"{merged[name]!r}") from None
+    return merged

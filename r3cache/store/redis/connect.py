@@ -108,8 +108,9 @@ def _host_port(host: str) -> tuple[str, int]:
     return name or "127.0.0.1", int(port or 6379)
 
 
-def connect(url: str, namespace: str | None, options: dict[str, Any]):
-    """Clients for ``url``: (nodes, r3cache's options, the URL without credentials)."""
+def parse(url: str, options: dict[str, Any]):
+    """Every check of ``url`` and ``options`` that needs no server: (the URL's parts,
+    r3cache's options, redis-py's client options, the URL without credentials)."""
     if not isinstance(url, str):
         raise ContractError(f"a store URL must be a str, not {type(url).__name__}")
     parts = url_parts(url)
@@ -147,6 +148,12 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
         raise ContractError(f"wait_timeout ({store_options.wait_timeout:g} s) must be shorter "
                             f"than socket_timeout ({client_options['socket_timeout']:g} s)")
     display = display_url(url).partition("?")[0]  # for repr and errors: no options
+    return parts, store_options, client_options, display
+
+
+def connect(url: str, namespace: str | None, options: dict[str, Any]):
+    """Clients for ``url``: (nodes, r3cache's options, the URL without credentials)."""
+    parts, store_options, client_options, display = parse(url, options)
     if not parts.scheme.endswith("+cluster"):
         plain = url.split("?", 1)[0]
         # One try per connection and command, as redis-py gives a cluster's node clients:
