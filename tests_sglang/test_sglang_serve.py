@@ -96,3 +96,4 @@ def test_an_embedded_store_stops_the_server(model):
     """memory:// would keep every request's routes inside the scheduler, read by no one."""
     log = _refused(model, {"R3CACHE_URL": "memory://"})
     assert "IntegrationError" in log and "memory://" in log, log[-3000:]
+    assert "load_plugins" in log, log[-3000:]  # found as the plugin loads, before the model

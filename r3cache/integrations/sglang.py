@@ -5,10 +5,9 @@ main process, its scheduler processes and its detokenizer. It does nothing unles
 ``R3CACHE_URL`` is set; then the server must run with ``--enable-return-routed-experts``,
 and:
 
-- a mistake in an ``R3CACHE_*`` variable stops each scheduler as it loads the plugin,
-  before it loads the model;
-- a ``memory://`` URL is refused: the store would live inside the scheduler, out of
-  every trainer's reach;
+- a mistake in an ``R3CACHE_*`` variable, or a ``memory://`` URL (the store would live
+  inside the scheduler, out of every trainer's reach), stops each scheduler as it loads
+  the plugin, before it loads the model;
 - each scheduler that hands out its batches' results (attention-TP rank 0; not with
   pipeline parallelism or prefill-decode disaggregation, which it refuses) opens the store
   ``R3CACHE_URL`` names, under ``R3CACHE_NAMESPACE`` (default: the served model name and
@@ -91,7 +90,7 @@ def register() -> None:
 
 def _startup_problem() -> R3Error | None:
     """Why this SGLang cannot store routes as the R3CACHE_* variables ask, or None: an
-    API the plugin does not know, or a mistake in the variables."""
+    API the plugin does not know, a mistake in the variables, or an embedded store."""
     missing = [target for target in _TARGETS if not _resolves(target)]
     if missing:
         return _differs(f"missing {', '.join(missing)}")
@@ -99,6 +98,10 @@ def _startup_problem() -> R3Error | None:
         engine.check_environment(lambda url: engine.split_url(url, _OPTIONS))
     except R3Error as exc:
         return exc
+    if engine.embedded(os.environ["R3CACHE_URL"]):
+        return IntegrationError("R3CACHE_URL is memory://, a store inside each scheduler: no "
+                                "trainer could read the routes published there, and their "
+                                "manifests would hold them until it is full; use a Redis URL")
     return None
 
 
@@ -149,11 +152,7 @@ def _open_publisher(result: Any, scheduler: Any) -> None:
         raise IntegrationError("R3CACHE_URL is set, but SGLang runs without "
                                "--enable-return-routed-experts: there are no routes to store")
     url, options = engine.split_url(os.environ["R3CACHE_URL"], _OPTIONS)
-    inline = engine.inline()  # checked before the store opens
-    if engine.embedded(url):
-        raise IntegrationError("R3CACHE_URL is memory://, a store inside this scheduler: no "
-                               "trainer could read the routes published there, and their "
-                               "manifests would hold them until it is full; use a Redis URL")
+    inline = engine.inline()
     config = scheduler.model_config
     layout = RoutingLayout(capturer.num_layers, capturer.topk_size,
                            _num_experts(config.hf_text_config), options.pop("block_size", 16))
