@@ -1,4 +1,5 @@
-"""The README's fenced code blocks, in order, with the heading each stands under."""
+"""The fenced code blocks of README.md (or another page), in order, with the heading each
+stands under."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ class Block:
     text: str
     line: int
     heading: str
+    source: str = "README.md"
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.lang or 'plain'} block under {self.heading!r})"
+        return f"{self.source}:{self.line} ({self.lang or 'plain'} block under {self.heading!r})"
 
 
 def blocks(path: Path = README) -> list[Block]:
@@ -36,7 +38,7 @@ def blocks(path: Path = README) -> list[Block]:
             elif line.startswith("#"):
                 heading = line.lstrip("#").strip()
         elif fence and not fence.group(1):
-            found.append(Block(lang, "\n".join(body) + "\n", start, heading))
+            found.append(Block(lang, "\n".join(body) + "\n", start, heading, path.name))
             lang = None
         else:
             body.append(line)

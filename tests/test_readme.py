@@ -120,6 +120,14 @@ def test_the_readme_runs_as_written(tmp_path):
                 _run_python(block, server, tmp_path)
 
 
+def test_the_engine_guide_runs_as_written(tmp_path):
+    """docs/ENGINE.md, which the README points engine authors to."""
+    guide = blocks(ROOT / "docs" / "ENGINE.md")
+    assert [b.lang for b in guide] == ["python"]
+    with RedisServer() as server:
+        _run_python(guide[0], server, tmp_path)
+
+
 def test_the_quick_start_commands_are_what_ci_runs():
     quick = next(b for b in blocks() if (b.lang, b.heading) == ("bash", "Quick start"))
     targets = [line.split("#")[0].split()[1] for line in quick.text.splitlines()
