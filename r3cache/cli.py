@@ -15,7 +15,7 @@ import numpy as np
 from r3cache.errors import BlockNotFoundError, ContractError, NamespaceNotFoundError, R3Error
 from r3cache.layout import RoutingLayout
 from r3cache.sim import SimConfig, SimReport, grpo_workload, simulate
-from r3cache.store import display_url, without_engine_options
+from r3cache.store import check_url, display_url, without_engine_options
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +73,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    check_url(args.store, args.namespace)  # before a model loads or a workload is drawn
     routes = None
     if args.model:
         from r3cache.models import ModelRoutes, tiny_model

@@ -19,6 +19,19 @@ def test_demo_runs_and_verifies():
         assert line in out
 
 
+@pytest.mark.parametrize(("args", "problem"), [
+    (["--store", "memory://?max_bytes=abc"], "max_bytes must be a number"),
+    (["--store", "redis://127.0.0.1:1?socket_keepalive=maybe"], "socket_keepalive is a flag"),
+    (["--store", "redis://127.0.0.1:1", "--namespace", "a b"], "namespace 'a b' must be"),
+    (["--namespace", ""], "namespace must be a non-empty string"),
+])
+def test_demo_refuses_its_store_and_namespace_before_it_starts(args, problem):
+    """Before a model loads or a workload is drawn (minutes, for --prompts 100000): the
+    model named here does not exist, and the store's mistake is the one told."""
+    result = cli("demo", *args, "--model", "no-such-model")
+    assert result.returncode == 2 and problem in result.stderr, result.stderr
+
+
 def test_demo_help_explains_the_options():
     result = subprocess.run([sys.executable, "-m", "r3cache.cli", "demo", "--help"],
                             capture_output=True, text=True, check=True)

@@ -44,6 +44,7 @@ from r3cache.hashing import block_hashes
 from r3cache.integrations import engine
 from r3cache.manifest import BlockRef, Completion, Manifest
 from r3cache.sim import OracleRoutes, SimConfig, oracle_rows, random_workload, simulate
+from r3cache.store import check_url
 from r3cache.store.redis.janitor import holders, reclaim_dead_owners, scan_keys
 from r3cache.store.writers.process import spawn_writer
 from r3cache.testing import RedisServer
@@ -521,6 +522,49 @@ def test_a_wait_or_ttl_past_what_redis_and_python_can_count_is_refused_at_once(r
                         max_num_batched_tokens=16, store_wait=1e17)
     with R3Reader(store) as reader, pytest.raises(ContractError, match="wait must be"):
         reader.get("r", wait=1e17)
+
+
+def test_redis_clients_options_are_checked_before_anything_connects(redis_url, namespace):
+    """The redis-py options a store URL may carry, each checked by r3cache: socket timeouts
+    of 1e300 s overflowed the socket's deadline (an OverflowError out of a CLI command),
+    health_check_interval=-5 and db=-1 failed only at the first command, as a StoreError,
+    socket_keepalive=maybe was taken for true, a cluster URL's database was dropped
+    without a word, protocol=3 would switch the replies r3cache reads to RESP3,
+    retry_on_timeout would retry inside r3cache's own tries, and timeout= was a TypeError
+    where the client was made."""
+    host = redis_url.split("://")[1].split("/")[0]
+    for query, problem in (("socket_timeout=1e300", "socket_timeout has an invalid value"),
+                           ("socket_connect_timeout=1e17", "socket_connect_timeout has an"),
+                           ("health_check_interval=-5", "health_check_interval has an"),
+                           ("db=-1", "db has an invalid value"),
+                           ("db=true", "db has an invalid value"),
+                           ("socket_keepalive=maybe", "socket_keepalive is a flag"),
+                           ("protocol=3", "r3cache speaks RESP2"),
+                           ("socket_read_size=0", "socket_read_size has an invalid value"),
+                           ("timeout=1", "unknown Redis store option 'timeout'"),
+                           ("retry_on_error=TimeoutError", "unknown Redis store option"),
+                           ("retry_on_timeout=1", "unknown Redis store option"),
+                           ("ssl_check_hostname=1", "needs a TLS URL")):
+        for check in (check_url, lambda url: open_store(url, layout=LAYOUT, namespace="o")):
+            with pytest.raises(ContractError, match=problem):
+                check(f"redis://{host}?{query}")
+    for url in (f"redis+cluster://{host}/2", f"redis+cluster://{host}?db=2"):
+        with pytest.raises(ContractError, match="a Redis Cluster has only database 0"):
+            check_url(url)
+    check_url(f"redis+cluster://{host}/0")
+    check_url(f"redis+cluster://{host}?db=0")
+    with pytest.raises(ContractError, match="ssl_validate_ocsp is a flag"):
+        check_url(f"rediss://{host}?ssl_validate_ocsp=perhaps")
+    store = open_store(f"redis://{host}?socket_keepalive=yes&health_check_interval=30&"
+                       "protocol=2&db=0&socket_read_size=65536",
+                       layout=LAYOUT, namespace=namespace)
+    try:
+        kwargs = store._nodes.client.connection_pool.connection_kwargs
+        assert kwargs["socket_keepalive"] is True and kwargs["health_check_interval"] == 30
+        store.put({"a": blk(1)})
+        assert np.array_equal(store.get_concatenated(["a"]), blk(1))
+    finally:
+        store.close()
 
 
 def test_a_heartbeat_goes_through_when_redis_is_out_of_memory(reliability):
@@ -1218,6 +1262,8 @@ def test_export_keeps_every_file_inside_out(redis_url, namespace, tmp_path, reli
     ["inspect", "redis://:a[cret-pw]@127.0.0.1:6379/0"],  # urlsplit quotes 'cret-pw'
     ["gc", "redis+cluster://127.0.0.1:7000,[zz]:7001"],
     ["inspect", "redis://127.0.0.1:6379/0?janitor=flase"],
+    ["inspect", "REDIS?socket_timeout=1e300"],  # an OverflowError in the socket's deadline
+    ["gc", "REDIS?socket_connect_timeout=1e17"],
     ["export", "REDIS", "--namespace", "NS", "--out", "OUT", "--dtype", "bool"],
     ["plot", "REDIS", "--namespace", "NS", "--out", "OUT.txt"],  # no format matplotlib has
     ["demo", "--prompts", "-1"],

@@ -9,7 +9,7 @@ from r3cache.errors import ContractError
 from r3cache.layout import RoutingLayout
 from r3cache.store.base import BlockStore, StoreStats
 from r3cache.store.memory import MemoryBlockStore
-from r3cache.store.redis.keys import REDIS_SCHEMES
+from r3cache.store.redis.keys import REDIS_SCHEMES, check_name
 from r3cache.store.urls import display_url, url_parts, without_engine_options
 from r3cache.store.writers.background import BackgroundBlockStore
 
@@ -35,8 +35,7 @@ def open_store(
     Options may also come as URL query parameters (``memory://?max_bytes=1e9``).
     ``layout=None`` opens an existing Redis namespace with the layout it stores.
     """
-    if not isinstance(namespace, str) or not namespace:
-        raise ContractError("namespace must be a non-empty string tied to the model weights")
+    _check_namespace(url, namespace)
     if _scheme(url) == "memory":
         if layout is None:
             raise ContractError("memory:// needs a layout")
@@ -46,16 +45,28 @@ def open_store(
     return open_redis_store(url, layout=layout, namespace=namespace, **options)
 
 
-def check_url(url: str, **options: Any) -> None:
-    """Every check ``open_store`` makes of ``url`` and ``options`` before it needs a
-    server: an engine plugin runs it as it loads, so that a mistyped R3CACHE_URL stops
-    the engine before it loads a model rather than after."""
+def check_url(url: str, namespace: str | None = None, **options: Any) -> None:
+    """Every check ``open_store`` makes of ``url``, ``namespace`` (when given) and
+    ``options`` before it needs a server: an engine plugin runs it as it loads, the demo
+    before it draws its workload, so that a mistake stops them before the work rather
+    than after."""
+    if namespace is not None:
+        _check_namespace(url, namespace)
     if _scheme(url) == "memory":
         _memory_options(url, options)
     else:
         from r3cache.store.redis.connect import parse
 
         parse(url, options)
+
+
+def _check_namespace(url: str, namespace: str) -> None:
+    """Any non-empty str names an embedded store's namespace (a label); a Redis one is a
+    part of its keys' names."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ContractError("namespace must be a non-empty string tied to the model weights")
+    if _scheme(url) != "memory":
+        check_name(namespace, "namespace")
 
 
 def _scheme(url: str) -> str:

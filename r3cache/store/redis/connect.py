@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable
 from functools import partial
@@ -15,7 +14,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.retry import Retry
 
-from r3cache.checks import flag, url_options
+from r3cache.checks import MAX_SECONDS, flag, url_options
 from r3cache.errors import ContractError, StoreUnavailableError
 from r3cache.layout import RoutingLayout
 from r3cache.store.redis.errors import ACCESS_REFUSED, redis_errors
@@ -44,11 +43,26 @@ def _pool_size(value: Any) -> int:
 
 
 def _timeout(value: Any) -> float:
-    """Seconds a socket waits: finite and positive, so every wait on Redis is bounded."""
+    """Seconds a socket waits: positive and at most MAX_SECONDS, so every wait on Redis is
+    bounded (and the socket's deadline fits the platform's clock)."""
     seconds = float(value)
-    if not 0 < seconds < math.inf:
-        raise ValueError("a socket timeout is a finite number of seconds > 0")
+    if not 0 < seconds <= MAX_SECONDS:
+        raise ValueError("a socket timeout is a number of seconds > 0")
     return seconds
+
+
+def _at_least(least: int, value: Any) -> int:
+    number = _int(value)
+    if not least <= number <= MAX_SECONDS:
+        raise ValueError(f"not an int from {least} to {MAX_SECONDS:g}")
+    return number
+
+
+def _resp2(value: Any) -> int:
+    """The replies r3cache's scripts and commands read are RESP2's."""
+    if _int(value) != 2:
+        raise ValueError("r3cache speaks RESP2 (protocol=2)")
+    return 2
 
 
 # Options r3cache reads itself; everything else goes to the redis-py client.
@@ -57,20 +71,33 @@ _STORE_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "hash_algo": str, "wait_replicas": _int, "wait_timeout": float, "codec": str,
     "janitor": partial(flag, name="janitor"), "lease": partial(flag, name="lease"),
 }
-_NUMBERS = {float, int, _int, _pool_size, _timeout}  # parsers a bool must not reach
+_count, _positive = partial(_at_least, 0), partial(_at_least, 1)
+# Parsers a bool must not reach: True would be 1 second, 1 retry or database 1.
+_NUMBERS = {float, int, _int, _pool_size, _timeout, _count, _positive, _resp2}
+# redis-py's client options r3cache passes on, each checked here: a value redis-py would
+# take loosely (socket_keepalive=maybe as true) or refuse only at the first command is a
+# ContractError before anything connects. Others redis-py's URLs know are refused: timeout
+# belongs to a pool r3cache does not use, legacy_responses to replies it does not read,
+# and retry_on_timeout and retry_on_error would retry inside r3cache's own tries
+# (``retries``), multiplying the bound on every wait.
 _CLIENT_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "pool_size": _pool_size, "socket_timeout": _timeout, "socket_connect_timeout": _timeout,
-    "username": str, "password": str,
+    "username": str, "password": str, "db": _count, "protocol": _resp2,
+    "socket_keepalive": partial(flag, name="socket_keepalive"),
+    "health_check_interval": _count, "socket_read_size": _positive,
+    "ssl_check_hostname": partial(flag, name="ssl_check_hostname"),
+    "ssl_validate_ocsp": partial(flag, name="ssl_validate_ocsp"),
+    "ssl_validate_ocsp_stapled": partial(flag, name="ssl_validate_ocsp_stapled"),
 }
 
 
 def _parsed(key: str, parse: Callable[[Any], Any], value: Any) -> Any:
     try:
         if isinstance(value, bool) and parse in _NUMBERS:
-            raise TypeError("a bool is no number")  # True would be 1 second, or 1 retry
+            raise TypeError("a bool is no number")
         return parse(value)
-    except (TypeError, ValueError):
-        shown = "(hidden)" if key == "password" else repr(value)
+    except (TypeError, ValueError) as exc:
+        shown = "(hidden)" if key == "password" else f"{value!r}: {exc}"
         raise ContractError(f"Redis store option {key} has an invalid value {shown}") from None
 
 
@@ -84,16 +111,16 @@ def _split_options(query: dict[str, str], options: dict[str, Any], tls: bool):
     for key, value in merged.items():
         if key in _STORE_OPTIONS:
             ours[key] = _parsed(key, _STORE_OPTIONS[key], value)
+        elif key.startswith("ssl_") and not tls:
+            raise ContractError(f"Redis store option {key} needs a TLS URL (rediss:// "
+                                "or rediss+cluster://)")
         elif key in _CLIENT_OPTIONS:
             client["max_connections" if key == "pool_size" else key] = _parsed(
                 key, _CLIENT_OPTIONS[key], value)
-        elif key in URL_QUERY_ARGUMENT_PARSERS:
-            client[key] = _parsed(key, URL_QUERY_ARGUMENT_PARSERS[key], value)
         elif key.startswith("ssl_"):
-            if not tls:
-                raise ContractError(f"Redis store option {key} needs a TLS URL (rediss:// "
-                                    "or rediss+cluster://)")
-            client[key] = value
+            # Certificates, keys and requirements: redis-py parses the few it knows.
+            parse = URL_QUERY_ARGUMENT_PARSERS.get(key)
+            client[key] = value if parse is None else _parsed(key, parse, value)
         else:
             raise ContractError(f"unknown Redis store option {key!r}")
     return RedisOptions(**ours), client
@@ -139,6 +166,9 @@ def parse(url: str, options: dict[str, Any]):
                             "db=; give one")
     store_options, client_options = _split_options(query, options,
                                                    tls=parts.scheme.startswith("rediss"))
+    if parts.scheme.endswith("+cluster") and (int(parts.path.strip("/") or 0)
+                                              or client_options.get("db", 0)):
+        raise ContractError("a Redis Cluster has only database 0: its URL names no other")
     client_options.setdefault("socket_timeout", 10.0)
     client_options.setdefault("socket_connect_timeout", 5.0)
     if store_options.wait_replicas and store_options.wait_timeout >= client_options[
@@ -178,7 +208,7 @@ def connect(url: str, namespace: str | None, options: dict[str, Any]):
     startup = [ClusterNode(*_host_port(host)) for host in hosts.split(",")]
     if parts.scheme.startswith("rediss"):
         client_options["ssl"] = True
-    client_options.pop("db", None)  # a cluster has only database 0
+    client_options.pop("db", None)  # 0 (parse): a cluster's client takes no database
     with redis_errors(namespace, f"connecting to {display}"):
         try:
             cluster = RedisCluster(startup_nodes=startup, retry=retry, **client_options)
