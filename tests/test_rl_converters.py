@@ -115,6 +115,12 @@ BAD_INPUT = {
     "nemo shapes differ": lambda: to_nemo_rl([ROWS, ROWS[:, :2]], 64, seq_len=8),
     "nemo num_experts not an int": lambda: to_nemo_rl([ROWS], 64.0),
     "nemo seq_len not an int": lambda: to_nemo_rl([ROWS], 64, seq_len=8.0),
+    # Past any machine's memory: numpy's ValueError ("Maximum allowed dimension") or
+    # MemoryError otherwise, after the rows were checked.
+    "verl seq_len past memory": lambda: to_verl([ROWS], 2**40),
+    "verl seq_len past numpy": lambda: to_verl([], 10**20),
+    "nemo seq_len past memory": lambda: to_nemo_rl([ROWS], 64, seq_len=2**40),
+    "nemo seq_len past numpy": lambda: to_nemo_rl([ROWS], 64, seq_len=10**20),
     "slime float rows": lambda: to_slime(ROWS + 0.7, 6),
     "slime IDs past int32": lambda: to_slime(ROWS.astype(np.int64) + 2**40, 6),
     "slime num_tokens not an int": lambda: to_slime(ROWS, 6.0),

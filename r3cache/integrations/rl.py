@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from r3cache.checks import count, id_range_problem, layer_indices
+from r3cache.checks import count, fits_memory, id_range_problem, layer_indices
 from r3cache.errors import ContractError
 
 
@@ -44,6 +44,16 @@ def _checked(routes: Sequence[np.ndarray], layers: Sequence[int] | None, max_id:
     return [rows[:, picked] for rows in out]
 
 
+def _batch(rows: list[np.ndarray], seq_len: object, dtype: type, fill: int) -> np.ndarray:
+    """``[bs, seq_len, layers, topk]`` of ``fill``: a seq_len that no machine pads to (one
+    sequence of it past this one's memory) is a ContractError, not numpy's MemoryError."""
+    seq_len = count(seq_len, "seq_len")
+    row = rows[0].shape[1:] if rows else (0, 0)
+    fits_memory(max(len(rows), 1) * seq_len * max(int(np.prod(row)), 1)
+                * np.dtype(dtype).itemsize, "seq_len")
+    return np.full((len(rows), seq_len, *row), fill, dtype)
+
+
 def to_verl(routes: Sequence[np.ndarray], seq_len: int, *,
             offsets: Sequence[int] | None = None,
             layers: Sequence[int] | None = None) -> np.ndarray:
@@ -56,21 +66,17 @@ def to_verl(routes: Sequence[np.ndarray], seq_len: int, *,
     are padding positions.
     """
     rows = _checked(routes, layers, np.iinfo(np.int16).max, "verl's int16 routed_experts")
-    seq_len = count(seq_len, "seq_len")
+    out = _batch(rows, seq_len, np.int16, 0)
     if offsets is not None and not isinstance(offsets, Iterable):
         raise ContractError(f"offsets are one int per sequence, not {offsets!r:.40}")
     offsets = ([0] * len(rows) if offsets is None else
                [count(at, f"offset {i}") for i, at in enumerate(offsets)])
     if len(offsets) != len(rows):
         raise ContractError(f"{len(offsets)} offsets for {len(rows)} sequences")
-    if not rows:
-        return np.zeros((0, seq_len, 0, 0), np.int16)
-    _, num_layers, topk = rows[0].shape
-    out = np.zeros((len(rows), seq_len, num_layers, topk), np.int16)
     for i, (r, at) in enumerate(zip(rows, offsets)):
-        if at + len(r) + 1 > seq_len:
+        if at + len(r) + 1 > out.shape[1]:
             raise ContractError(f"sequence {i}: {len(r) + 1} tokens at offset {at} do not fit "
-                                f"seq_len {seq_len}")
+                                f"seq_len {out.shape[1]}")
         out[i, at : at + len(r)] = r
     return out
 
@@ -111,21 +117,17 @@ def to_nemo_rl(routes: Sequence[np.ndarray], num_experts: int, *, seq_len: int |
     """
     dtype = nemo_rl_dtype(num_experts)
     rows = _checked(routes, layers, num_experts - 1, f"a model of {num_experts} experts")
-    if seq_len is not None:
-        seq_len = count(seq_len, "seq_len")
+    out = None if seq_len is None else _batch(rows, seq_len, dtype, -1)
     full = []
     for r in rows:
         padded = np.full((len(r) + 1, *r.shape[1:]), -1, dtype)
         padded[: len(r)] = r
         full.append(padded)
-    if seq_len is None:
+    if out is None:
         return full
-    if not full:
-        return np.zeros((0, seq_len, 0, 0), dtype)
-    out = np.full((len(full), seq_len, *full[0].shape[1:]), -1, dtype)
     for i, f in enumerate(full):
-        if len(f) > seq_len:
-            raise ContractError(f"sequence {i} has {len(f)} tokens, seq_len is {seq_len}")
+        if len(f) > out.shape[1]:
+            raise ContractError(f"sequence {i} has {len(f)} tokens, seq_len is {out.shape[1]}")
         out[i, : len(f)] = f
     return out
 
