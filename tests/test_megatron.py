@@ -177,6 +177,11 @@ MALFORMED = {  # argument -> what the ReplayError names
     "tp_rank without tp_size": (dict(tp_rank=1), "tp_rank=1 needs tp_size|rank 1 of tp_size=1"),
     "cu_seqlens past int64": (dict(batch=ReplayBatch(cu_seqlens=np.array(
         [0, 12, 2**63], np.uint64))), "past 2147483647"),
+    # numpy's "Maximum allowed dimension exceeded", or a MemoryError, once checked.
+    "seq_len past any micro-batch": (dict(batch=ReplayBatch(seq_len=10**20)),
+                                     "past 2147483647"),
+    "seq_len times sequences past it": (dict(batch=ReplayBatch(seq_len=2**30)),
+                                        "is 2147483648 tokens"),
     "no routers": (dict(routers=[]), "no routers"),
 }
 

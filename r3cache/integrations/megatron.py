@@ -40,7 +40,9 @@ from r3cache.checks import count, id_range_problem
 from r3cache.errors import ReplayError
 from r3cache.layout import repeats_by_columns
 
-_MAX_PACKED_TOKENS = 2**31 - 1  # cu_seqlens are int32 offsets in packed attention
+# A micro-batch's tokens on one rank: int32 offsets in packed attention (cu_seqlens), and
+# past any device's memory for activations in a padded batch.
+_MAX_TOKENS = 2**31 - 1
 
 
 @dataclass
@@ -250,6 +252,9 @@ def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[st
                           "(packed THD)")
     if batch.seq_len is not None:
         s = count(batch.seq_len, "seq_len", 1, ReplayError)
+        if s * n > _MAX_TOKENS:  # a typo, refused before its grid is allocated
+            raise ReplayError(f"seq_len={s} for {n} sequences is {s * n} tokens, past "
+                              f"{_MAX_TOKENS}")
         for name, length in zip(names, lengths):
             if length > s - 1:
                 raise ReplayError(f"routes of {name!r} cover {length} tokens; a sequence of "
@@ -276,9 +281,9 @@ def _token_grid(routes: Sequence[np.ndarray], batch: ReplayBatch, names: list[st
         if len(given) != n + 1 or given[0] != 0 or any(map(operator.gt, given, given[1:])):
             raise ReplayError(f"cu_seqlens must be {n + 1} non-decreasing offsets from 0, "
                               f"got {given!r:.80}")
-        if given[-1] > _MAX_PACKED_TOKENS:  # a typo, refused before its grid is allocated
+        if given[-1] > _MAX_TOKENS:  # a typo, refused before its grid is allocated
             raise ReplayError(f"cu_seqlens ends at {given[-1]} tokens, past "
-                              f"{_MAX_PACKED_TOKENS} (int32 offsets)")
+                              f"{_MAX_TOKENS} (int32 offsets)")
         offsets = offsets.astype(np.int64)
         spans = np.diff(offsets)
         for name, length, span in zip(names, lengths, spans):
