@@ -358,7 +358,8 @@ def _positive_seconds(text: str) -> float:
     except ValueError:
         seconds = 0.0
     if not 0 < seconds < 86400:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 and "
+                                         "below a day")
     return seconds
 
 
