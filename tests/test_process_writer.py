@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -392,3 +393,43 @@ def test_a_full_ring_with_redis_paused_fails_after_max_wait(namespace):
         assert time.perf_counter() - began < 1.5  # the ring filled, then one bounded wait
         server.client().client_unpause()
         writer.close()
+
+
+@pytest.mark.parametrize("call", ["put", "flush"])
+def test_a_helper_killed_while_the_feeder_is_full_is_told_at_once(redis_url, namespace, call,
+                                                                   reliability):
+    """The helper killed (the OOM killer, say) under a feeder blocked on its full socket:
+    the feeder stops, and its queue never drains. A put or flush waiting for room in it
+    raised StoreUnavailableError only after the whole max_wait (30 s here), the engine's
+    step held that long for a helper that was already gone."""
+    writer = ProcessWriter(redis_url, LAYOUT, namespace, {"idle_ttl": 60}, max_pending=2,
+                           max_wait=30.0)
+    helper = writer._process
+    keys = [f"key-{i:06d}-" + "x" * 40 for i in range(20_000)]
+    try:
+        writer.put({"warm": np.zeros(LAYOUT.block_shape, np.uint8)})
+        writer.flush()
+        os.kill(helper.pid, signal.SIGSTOP)  # its socket fills, then the feeder's queue
+        while True:  # full, and staying so: the feeder is blocked on the socket
+            while not writer._outbox.full():
+                writer.put({}, retain_keys=keys)
+            time.sleep(0.2)
+            if writer._outbox.full():
+                break
+        threading.Timer(0.3, os.kill, (helper.pid, signal.SIGKILL)).start()
+        began = time.monotonic()
+        with pytest.raises(WriterError, match="was killed by SIGKILL") as info:
+            if call == "put":
+                writer.put({}, retain_keys=keys)
+            else:
+                writer.flush()
+        reliability(f"the helper-process writer SIGKILLed while its feeder's queue is full "
+                    f"(helper stopped, socket full), a {call} waiting for room",
+                    "max_pending 2, max_wait 30 s", "WriterError naming the signal, not "
+                    "StoreUnavailableError after max_wait",
+                    f"raised {time.monotonic() - began - 0.3:.2f} s after the kill: {info.value}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(helper.pid, signal.SIGKILL)
+        with contextlib.suppress(WriterError, StoreUnavailableError):
+            writer.close()

@@ -9,6 +9,7 @@ import os
 import pickle
 import queue
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -396,10 +397,7 @@ class ProcessWriter:
                     self._enqueue(item, block=False)
                 except queue.Full:  # the feeder is behind: wait for it until the deadline
                     began = began or time.monotonic()
-                    try:
-                        self._enqueue(item, timeout=max(deadline - time.monotonic(), 0))
-                    except queue.Full:
-                        self._unavailable()
+                    self._enqueue_by(item, deadline)
             if sequence is not None:  # sent (or queued): the tier waits before reusing
                 self.arena.sent(in_arena[1], sequence)
         finally:
@@ -424,6 +422,22 @@ class ProcessWriter:
     def _enqueue(self, message, block: bool = True, timeout: float | None = None) -> None:
         self._outbox.put(message, block, timeout)
         self._queued += 1
+
+    def _enqueue_by(self, message, deadline: float) -> None:
+        """Queue ``message`` for the feeder once it has room, by ``deadline``. A feeder
+        that stopped (the helper died under its send) never makes room: its helper's exit
+        is told at once, not after the whole wait."""
+        while True:
+            try:
+                return self._enqueue(message, timeout=min(max(deadline - time.monotonic(), 0),
+                                                          _CHECK_EVERY))
+            except queue.Full:
+                if self._error:
+                    raise WriterError(self._error) from None
+                if not self._feeder.is_alive() or self._process.poll() is not None:
+                    raise self._exited() from None
+                if time.monotonic() >= deadline:
+                    self._unavailable()
 
     def _await_acked(self, sequence: int) -> None:
         """Return once the helper has encoded every put up to ``sequence``: the arena's
@@ -463,10 +477,7 @@ class ProcessWriter:
         if deadline is None:
             deadline = time.monotonic() + self.max_wait
         self._flushes += 1
-        try:
-            self._enqueue(("flush", self._flushes), timeout=max(deadline - time.monotonic(), 0))
-        except queue.Full:
-            self._unavailable()
+        self._enqueue_by(("flush", self._flushes), deadline)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._connection.poll(left):
@@ -585,8 +596,7 @@ class ProcessWriter:
             reply = self._connection.recv()
             self._replies += 1
         except (EOFError, OSError):
-            raise WriterError(f"the writer process for {self.namespace!r} exited "
-                              f"(code {self._process.poll()})") from None
+            raise self._exited() from None
         if reply[0] == "freed":  # the arena's acknowledgement is in its mapping already
             if reply[1] is not None:
                 self._ring.freed(reply[1])
@@ -625,9 +635,25 @@ class ProcessWriter:
             if self._error:
                 raise WriterError(self._error)
             if self._process.poll() is not None:
-                raise WriterError(f"the writer process for {self.namespace!r} exited "
-                                  f"(code {self._process.returncode})")
+                raise self._exited()
         self._refusal.check(self.namespace, self.max_wait)
+
+    def _exited(self) -> WriterError:
+        """The error for a helper that is gone: its exit status, which follows the end of
+        its connection by a moment (a signal, the OOM killer's included, by name)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(0.5)
+        code = self._process.returncode
+        if code is None:
+            how = "closed its connection"
+        elif code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:  # a signal this Python has no name for
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        return WriterError(f"the writer process for {self.namespace!r} {how}")
 
     def __repr__(self) -> str:
         return f"ProcessWriter({self.reader!r})"
